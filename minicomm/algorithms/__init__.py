@@ -1,0 +1,48 @@
+"""Algorithm families: pure schedule generators, one module per family.
+
+Every family module exposes
+
+    build(collective, rank, size, count, root, topology) -> minicomm.schedule.Schedule
+
+for all nine collectives (broadcast, reduce, allreduce, allgather, reduce_scatter, gather,
+scatter, alltoall, barrier), any world size >= 1, any root, any count >= 0. ``topology`` is the
+node id of every rank (a tuple of length ``size``); flat families ignore it, ``hier`` uses it.
+
+``build_schedule`` is the cached entry point the communicator, the verifier CLI and the simulator
+use: one schedule per key (collective, algorithm, rank, size, count, root, topology).
+"""
+from __future__ import annotations
+
+import importlib
+from functools import lru_cache
+from typing import Optional, Tuple
+
+from ..schedule import COLLECTIVES, Schedule
+
+FAMILIES = ("ring", "tree", "rhd", "hier")
+
+
+def family(name: str):
+    if name not in FAMILIES:
+        raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(FAMILIES)} or 'auto'")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+@lru_cache(maxsize=4096)
+def build_schedule(collective: str, algorithm: str, rank: int, size: int, count: int,
+                   root: int = 0, topology: Optional[Tuple[int, ...]] = None) -> Schedule:
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}")
+    if topology is None:
+        topology = (0,) * size
+    sched = family(algorithm).build(collective, rank, size, count, root, tuple(topology))
+    if sched.algorithm != algorithm or sched.collective != collective:
+        raise RuntimeError(f"{algorithm}.build returned a {sched.algorithm} {sched.collective} schedule")
+    return sched
+
+
+def build_all(collective: str, algorithm: str, size: int, count: int, root: int = 0,
+              topology: Optional[Tuple[int, ...]] = None):
+    """The schedules of every rank of one call (what the verifier and simulator consume)."""
+    return [build_schedule(collective, algorithm, r, size, count, root, topology)
+            for r in range(size)]

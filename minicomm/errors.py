@@ -1,0 +1,69 @@
+"""minicomm's exceptions, and the packed call signature carried in every message tag."""
+from __future__ import annotations
+
+import numpy as np
+
+
+class CommError(RuntimeError):
+    """Base class of every communication error minicomm raises."""
+
+
+class CommTimeout(CommError):
+    """A blocking wait passed its deadline; the message names the op, the step and the peer."""
+
+
+class PeerFailure(CommError):
+    """A peer died, closed its connection, or aborted the job."""
+
+
+class MismatchError(CommError):
+    """Ranks disagree on a call: collective, op, shape, dtype, root or algorithm."""
+
+
+class RMAError(CommError):
+    """A one-sided operation outside an epoch, out of bounds, or refused."""
+
+
+class SpawnError(CommError):
+    """Raised by ``spawn`` in the parent: one or more ranks failed.
+
+    ``failures`` is a list of (rank, traceback text), root cause first."""
+
+    def __init__(self, message: str, failures=()):
+        super().__init__(message)
+        self.failures = list(failures)
+
+
+# ---- packed call signature: what a message tag says about the call it belongs to ----
+COLLECTIVE_CODES = ("p2p", "broadcast", "reduce", "allreduce", "allgather", "reduce_scatter",
+                    "gather", "scatter", "alltoall", "barrier", "fingerprint")
+OP_CODES = ("none", "sum", "prod", "min", "max", "avg", "band", "bor", "bxor")
+ALGO_CODES = ("none", "ring", "tree", "rhd", "hier")
+
+
+def pack_call(collective: str, op: str, algorithm: str, dtype, root: int) -> int:
+    """One int identifying a call's signature (everything but the count)."""
+    dnum = np.dtype(dtype).num if dtype is not None else 0
+    return (COLLECTIVE_CODES.index(collective) | OP_CODES.index(op) << 5
+            | ALGO_CODES.index(algorithm) << 9 | dnum << 13 | (root + 1) << 21)
+
+
+def describe_call(tag) -> str:
+    c = tag.call
+    coll = COLLECTIVE_CODES[c & 31] if (c & 31) < len(COLLECTIVE_CODES) else "?"
+    op = OP_CODES[(c >> 5) & 15] if ((c >> 5) & 15) < len(OP_CODES) else "?"
+    algo = ALGO_CODES[(c >> 9) & 15] if ((c >> 9) & 15) < len(ALGO_CODES) else "?"
+    dnum = (c >> 13) & 255
+    dname = next((np.dtype(t).name for t in np.sctypeDict.values()
+                  if np.dtype(t).num == dnum), f"dtype#{dnum}")
+    root = (c >> 21) - 1
+    parts = [coll]
+    if op != "none":
+        parts.append(f"op={op}")
+    if algo != "none":
+        parts.append(f"algorithm={algo}")
+    if coll != "barrier":
+        parts.append(f"dtype={dname} count={tag.count}")
+    if root >= 0 and coll in ("broadcast", "reduce", "gather", "scatter"):
+        parts.append(f"root={root}")
+    return " ".join(parts)

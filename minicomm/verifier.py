@@ -1,0 +1,260 @@
+"""Symbolic interpreter: proves a set of per-rank schedules correct and deadlock-free.
+
+Every element of every buffer carries a symbolic value instead of a number:
+  * ``src``   — the index, in the contributors' ``in`` buffers, of the element it was made from
+                (-1: never written / undefined, -2: mixed from different indices — always wrong);
+  * ``mask``  — the set of contributing ranks, as a bitset (a Python int, so any world size);
+  and ``src`` becomes -3 once a reduction combined two values that shared a contributor (the
+  result would count that contribution twice).
+So a correct allreduce ends with, on every rank and element e: (src, mask) == (e, all ranks). This is exact (a multiset check), not a probabilistic test with random numbers.
+
+Timing follows *rendezvous* semantics, the strictest a transport may have: a Send completes only
+when its matching Recv is posted, so a schedule that passes cannot deadlock on any transport,
+whatever its buffering. Steps run as documented in ``minicomm.schedule``.
+
+For ``barrier`` (no data) the verifier propagates knowledge instead: a message carries the set of
+ranks its sender knows have entered; every rank must know all ranks before it leaves.
+"""
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .schedule import (IN, OUT, TMP, Copy, Recv, Reduce, Schedule, Send,
+                       buffer_counts)
+
+
+class VerificationError(AssertionError):
+    """A schedule set is wrong: the message names the rank, step and what is wrong."""
+
+
+# An element's symbolic value is a pair (src, mask): the input element index it was made from and
+# the bitset (a Python int) of contributing ranks. Special src values:
+UNDEFINED, MIXED, DOUBLE = -1, -2, -3   # never written / different indices combined / counted twice
+
+
+def _combine(a, b):
+    """The symbolic value of reducing elements a and b."""
+    sa, ma = a
+    sb, mb = b
+    if ma & mb:
+        return (DOUBLE, ma | mb)
+    if sa != sb or sa < 0:
+        return (min(sa, sb, MIXED) if sa < 0 or sb < 0 else MIXED, ma | mb)
+    return (sa, ma | mb)
+
+
+def _reduce_into(dst: list, doff: int, src: list, soff: int, n: int) -> None:
+    dst[doff:doff + n] = [_combine(a, b) for a, b in zip(dst[doff:doff + n], src[soff:soff + n])]
+
+
+def _regions_overlap(a: Tuple[str, int, int], b: Tuple[str, int, int]) -> bool:
+    return a[0] == b[0] and a[1] < b[1] + b[2] and b[1] < a[1] + a[2] and a[2] > 0 and b[2] > 0
+
+
+def _check_structure(s: Schedule) -> None:
+    sizes = {IN: s.in_count, OUT: s.out_count, TMP: s.tmp_count}
+    ein, eout = buffer_counts(s.collective, s.size, s.count)
+    if (s.in_count, s.out_count) != (ein, eout):
+        raise VerificationError(f"rank {s.rank}: buffer sizes {(s.in_count, s.out_count)} "
+                                f"!= {(ein, eout)} for {s.collective}")
+
+    def region(buf, off, cnt, where, write):
+        if buf not in sizes:
+            raise VerificationError(f"{where}: unknown buffer {buf!r}")
+        if cnt < 0 or off < 0 or off + cnt > sizes[buf]:
+            raise VerificationError(f"{where}: {buf}[{off}:{off + cnt}] out of bounds "
+                                    f"(size {sizes[buf]})")
+        if write and buf == IN:
+            raise VerificationError(f"{where}: writes the caller's input buffer")
+        return (buf, off, cnt)
+
+    for i, step in enumerate(s.steps):
+        where = f"rank {s.rank} step {i}"
+        reads, writes = [], []   # communication regions of this step
+        for o in step:
+            if isinstance(o, (Send, Recv)):
+                if not (0 <= o.peer < s.size) or o.peer == s.rank:
+                    raise VerificationError(f"{where}: bad peer {o.peer} in {o}")
+                r = region(o.buf, o.offset, o.count, where, isinstance(o, Recv))
+                (writes if isinstance(o, Recv) else reads).append((r, o))
+            else:
+                region(o.src, o.src_offset, o.count, where, False)
+                region(o.dst, o.dst_offset, o.count, where, True)
+        for j, (w, wo) in enumerate(writes):
+            for r, _ in reads:
+                if _regions_overlap(w, r):
+                    raise VerificationError(f"{where}: {wo} writes what a Send of the same step reads")
+            for w2, wo2 in writes[j + 1:]:
+                if _regions_overlap(w, w2) and not (wo.reduce and wo2.reduce):
+                    raise VerificationError(f"{where}: {wo} and {wo2} write the same elements")
+
+
+def verify(schedules: Sequence[Schedule], *, topology=None) -> Dict[str, int]:
+    """Verify the schedules of all ranks of one call. Raises VerificationError; returns stats."""
+    p = len(schedules)
+    if p == 0:
+        raise VerificationError("no schedules")
+    s0 = schedules[0]
+    coll, count, root = s0.collective, s0.count, s0.root
+    for r, s in enumerate(schedules):
+        if s.rank != r or s.size != p or (s.collective, s.count, s.root) != (coll, count, root):
+            raise VerificationError(f"schedule {r} is for another call: {s.summary()}")
+        _check_structure(s)
+
+    # FIFO matching per ordered pair: the k-th send a->b pairs with the k-th recv on b from a.
+    sends: Dict[Tuple[int, int], List[Tuple[int, Send]]] = defaultdict(list)
+    recvs: Dict[Tuple[int, int], List[Tuple[int, Recv]]] = defaultdict(list)
+    for s in schedules:
+        for i, step in enumerate(s.steps):
+            for o in step:
+                if isinstance(o, Send):
+                    sends[(s.rank, o.peer)].append((i, o))
+                elif isinstance(o, Recv):
+                    recvs[(o.peer, s.rank)].append((i, o))
+    partner: Dict[Tuple[int, int, int], Tuple[int, int]] = {}   # (rank, step, op id) -> (peer, step)
+    source_of: Dict[Tuple[int, int, int], Tuple[int, int, int]] = {}   # recv -> its send
+    for pair in set(sends) | set(recvs):
+        sl, rl = sends.get(pair, []), recvs.get(pair, [])
+        if len(sl) != len(rl):
+            raise VerificationError(f"{len(sl)} sends {pair[0]}->{pair[1]} but {len(rl)} receives")
+        for (si, so), (ri, ro) in zip(sl, rl):
+            if so.count != ro.count:
+                raise VerificationError(f"send {pair[0]}->{pair[1]} step {si} has {so.count} "
+                                        f"elements, matching recv step {ri} expects {ro.count}")
+            partner[(pair[0], si, id(so))] = (pair[1], ri)
+            partner[(pair[1], ri, id(ro))] = (pair[0], si)
+            source_of[(pair[1], ri, id(ro))] = (pair[0], si, id(so))
+
+    undefined = (UNDEFINED, 0)
+    state: List[Dict[str, list]] = []
+    for s in schedules:
+        bufs = {OUT: [undefined] * s.out_count, TMP: [undefined] * s.tmp_count}
+        if (coll == "broadcast" or coll == "scatter") and s.rank != root:
+            bufs[IN] = [undefined] * s.in_count   # never read: using it is a bug
+        else:
+            bufs[IN] = [(e, 1 << s.rank) for e in range(s.in_count)]
+        state.append(bufs)
+    knows = [1 << r for r in range(p)]   # barrier knowledge: who is known to have entered
+
+    # Per rank and step, precomputed once: local ops, (send, key), (recv, key of its send), and
+    # the (peer, peer step) pairs the step waits for.
+    plan = []
+    for s in schedules:
+        r = s.rank
+        steps = []
+        for i, step in enumerate(s.steps):
+            local = [o for o in step if isinstance(o, (Copy, Reduce))]
+            snd = [(o, (r, i, id(o))) for o in step if isinstance(o, Send)]
+            rcv = [(o, source_of[(r, i, id(o))]) for o in step if isinstance(o, Recv)]
+            waits = [partner[(r, i, id(o))] for o in step if isinstance(o, (Send, Recv))]
+            steps.append((local, snd, rcv, waits))
+        plan.append(steps)
+
+    pc = [0] * p
+
+    def enter(r):   # run the local ops of the steps rank r enters, skipping purely local steps
+        steps = plan[r]
+        while pc[r] < len(steps):
+            local, snd, rcv, waits = steps[pc[r]]
+            st = state[r]
+            for o in local:
+                if isinstance(o, Copy):
+                    st[o.dst][o.dst_offset:o.dst_offset + o.count] = \
+                        st[o.src][o.src_offset:o.src_offset + o.count]
+                else:
+                    _reduce_into(st[o.dst], o.dst_offset, st[o.src], o.src_offset, o.count)
+            if waits:
+                return
+            pc[r] += 1
+
+    for r in range(p):
+        enter(r)
+    rounds = 0
+    candidates = set(range(p))
+    while candidates:
+        ready = [r for r in sorted(candidates) if pc[r] < len(plan[r])
+                 and all(pc[q] == t for q, t in plan[r][pc[r]][3])]
+        if not ready:
+            break
+        rounds += 1
+        # Payloads are read before any receive of this round lands (same-step overlap is banned).
+        payload = {}
+        for r in ready:
+            st = state[r]
+            for o, key in plan[r][pc[r]][1]:
+                payload[key] = (st[o.buf][o.offset:o.offset + o.count], knows[r])
+        for r in ready:
+            st = state[r]
+            for o, src in plan[r][pc[r]][2]:
+                data, k = payload[src]
+                knows[r] |= k
+                if o.reduce:
+                    _reduce_into(st[o.buf], o.offset, data, 0, o.count)
+                else:
+                    st[o.buf][o.offset:o.offset + o.count] = data
+        candidates = set()
+        for r in ready:
+            pc[r] += 1
+            enter(r)
+            candidates.add(r)
+            if pc[r] < len(plan[r]):
+                candidates.update(q for q, _ in plan[r][pc[r]][3])
+
+    stuck = [r for r in range(p) if pc[r] < len(plan[r])]
+    if stuck:
+        r = stuck[0]
+        waits = [(q, t, pc[q]) for q, t in plan[r][pc[r]][3] if pc[q] != t]
+        raise VerificationError(
+            f"deadlock under rendezvous sends: ranks {stuck} cannot finish; rank {r} is stuck in "
+            f"step {pc[r]} waiting for (peer, peer's matching step, step the peer is in) {waits[:3]}")
+
+    _check_results(schedules, state, knows)
+    return {"ranks": p, "rounds": rounds,
+            "max_comm_steps": max(s.comm_steps for s in schedules),
+            "messages": sum(len(v) for v in sends.values())}
+
+
+def _check_results(schedules, state, knows) -> None:
+    s0 = schedules[0]
+    coll, p, n, root = s0.collective, s0.size, s0.count, s0.root
+    full = (1 << p) - 1
+
+    def expect(r: int, lo: int, first_src: int, mask: int, what: str):
+        got = state[r][OUT][lo:lo + n]
+        want = [(first_src + e, mask) for e in range(n)]
+        if got != want:
+            e = next(i for i in range(n) if got[i] != want[i])
+            (gs, gm), (ws, wm) = got[e], want[e]
+            how = {UNDEFINED: "nothing (never written, or undefined input)",
+                   MIXED: "a mix of different elements",
+                   DOUBLE: "a sum that counts a contribution twice"}.get(gs, f"element {gs}")
+            raise VerificationError(
+                f"{coll}/{s0.algorithm} p={p} n={n} root={root}: rank {r} out[{lo + e}] ({what}) "
+                f"holds {how} from ranks {_ranks(gm)}; expected element {ws} from ranks {_ranks(wm)}")
+
+    if coll == "barrier":
+        for r in range(p):
+            if knows[r] != full:
+                raise VerificationError(f"barrier/{s0.algorithm} p={p}: rank {r} leaves knowing only "
+                                        f"ranks {_ranks(knows[r])} entered")
+        return
+    for r in range(p):
+        if coll == "allreduce" or (coll == "reduce" and r == root):
+            expect(r, 0, 0, full, "reduced")
+        elif coll == "broadcast":
+            expect(r, 0, 0, 1 << root, "broadcast")
+        elif coll == "reduce_scatter":
+            expect(r, 0, r * n, full, "reduced block")
+        elif coll == "scatter":
+            expect(r, 0, r * n, 1 << root, "scattered block")
+        elif coll == "allgather" or (coll == "gather" and r == root):
+            for j in range(p):
+                expect(r, j * n, 0, 1 << j, f"block of rank {j}")
+        elif coll == "alltoall":
+            for j in range(p):
+                expect(r, j * n, r * n, 1 << j, f"block from rank {j}")
+
+
+def _ranks(mask: int) -> List[int]:
+    return [r for r in range(mask.bit_length()) if mask >> r & 1]

@@ -1,0 +1,99 @@
+"""The transport contract: the small interface every byte mover implements.
+
+A transport belongs to one process (one rank of the world) and is shared by every communicator of
+that process. It moves contiguous numpy buffers to and from peers (world ranks), two-sided:
+
+    req = t.isend(peer, buf, tag)                 # buf: contiguous 1-D numpy view, read-only use
+    req = t.irecv(peer, buf, tag, reduce=None)    # buf: contiguous 1-D numpy view to fill;
+                                                  # reduce(dst, src) combines in place instead
+    t.wait_all([req, ...], deadline, what)        # progress until all complete
+    t.close()
+
+Matching: messages from one peer with one ``tag.comm`` are matched in FIFO order (different
+communicators never steal each other's messages). Every message carries its ``Tag``; the receiver
+compares it with the tag it expects and raises ``MismatchError`` naming both calls when they
+differ, so desynchronised or mismatched ranks are detected instead of silently mixed. A message
+whose byte length differs from the posted buffer is a ``MismatchError`` too.
+
+Failures: ``wait_all`` raises ``CommTimeout`` (naming ``what``, the step and the peer waited on)
+when ``deadline`` (a ``time.monotonic()`` value) passes, and ``PeerFailure`` as soon as a peer it
+waits on is known dead or closed. It must block (no busy-spin beyond a short spin), so that more
+ranks than cores still progress.
+
+``reduce`` lets a transport reduce straight out of its landing memory (shared memory, a socket
+buffer it owns) into the destination, saving a copy: ``reduce(dst_view, incoming_view)`` performs
+``dst op= incoming`` in place. Zero-byte messages are real messages (they order; barrier uses them).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, List, NamedTuple, Optional
+
+import numpy as np
+
+ReduceFn = Callable[[np.ndarray, np.ndarray], None]
+
+
+class Tag(NamedTuple):
+    """What a message belongs to. ``call`` and ``count`` encode the call's signature (collective,
+    op, algorithm, dtype, root; element count) so a receiver detects mismatched calls."""
+    comm: int      # communicator id
+    seq: int       # call sequence number on that communicator
+    step: int      # schedule step index (or user tag for point-to-point)
+    call: int      # packed call signature, see minicomm.errors.describe_call
+    count: int     # per-rank element count of the call
+
+
+class Request:
+    """A posted send or receive; transports subclass or use it as is."""
+    __slots__ = ("peer", "buf", "tag", "reduce", "done", "is_send")
+
+    def __init__(self, peer: int, buf: np.ndarray, tag: Tag, reduce: Optional[ReduceFn],
+                 is_send: bool):
+        self.peer, self.buf, self.tag, self.reduce = peer, buf, tag, reduce
+        self.is_send = is_send
+        self.done = False
+
+
+class Transport:
+    name = "abstract"
+    rank: int
+    size: int
+
+    def isend(self, peer: int, buf: np.ndarray, tag: Tag) -> Request:
+        raise NotImplementedError
+
+    def irecv(self, peer: int, buf: np.ndarray, tag: Tag,
+              reduce: Optional[ReduceFn] = None) -> Request:
+        raise NotImplementedError
+
+    def wait_all(self, requests: List[Request], deadline: float, what: str) -> None:
+        raise NotImplementedError
+
+    def abort(self, reason: str) -> None:
+        """Best effort: tell peers this rank is failing so they raise PeerFailure now."""
+
+    def close(self) -> None:
+        pass
+
+
+def remaining(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+def check_tag(peer: int, expected: Tag, got: Tag, exp_nbytes: int, got_nbytes: int) -> None:
+    """Raise MismatchError when an arriving message does not belong to the call we are in."""
+    if got == expected and exp_nbytes == got_nbytes:
+        return
+    from minicomm.errors import MismatchError, describe_call
+    if got.comm != expected.comm or got.seq != expected.seq:
+        raise MismatchError(
+            f"desynchronised with rank {peer}: expected a message of call #{expected.seq} "
+            f"({describe_call(expected)}), got one of call #{got.seq} ({describe_call(got)})")
+    if got.call != expected.call or got.count != expected.count:
+        raise MismatchError(
+            f"rank {peer} called {describe_call(got)} while this rank called "
+            f"{describe_call(expected)} (call #{expected.seq})")
+    raise MismatchError(
+        f"message from rank {peer} for call #{expected.seq} step {got.step} has {got_nbytes} bytes, "
+        f"expected step {expected.step} with {exp_nbytes} bytes ({describe_call(expected)})")
