@@ -1,0 +1,14 @@
+"""minicomm: from-scratch collective communication in pure Python + numpy.
+
+    import minicomm as mc
+    results = mc.spawn(lambda comm: comm.allreduce(np.ones(4)), world_size=4)
+"""
+from .communicator import Communicator, Work
+from .errors import (CommError, CommTimeout, MismatchError, PeerFailure, RMAError, SpawnError)
+from .launch import init, spawn
+from .ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM
+
+__version__ = "0.1.0"
+__all__ = ["spawn", "init", "Communicator", "Work", "CommError", "CommTimeout", "MismatchError",
+           "PeerFailure", "RMAError", "SpawnError", "SUM", "PROD", "MIN", "MAX", "AVG", "BAND",
+           "BOR", "BXOR"]

@@ -1,0 +1,303 @@
+"""Starting worlds: ``spawn`` (threads or fresh processes), ``init`` (inside a launched process).
+
+Process worlds: the parent hosts the rendezvous store (authenticated with a fresh job token), starts
+``world_size`` interpreters running ``python -m minicomm._worker``, and hands each its function,
+arguments and configuration over its stdin (cloudpickle; the token never appears on a command
+line). Each child writes one result record to a private pipe. The child keeps reading its stdin:
+end-of-file means the parent is gone, and the child exits rather than linger as an orphan.
+
+Failure policy (what ``SpawnError`` reports): the first rank to fail with its own error is the root
+cause; ranks that then fail with ``PeerFailure`` (they lost a peer) are listed after it. After the
+first failure the others get a grace period to fail on their own, then are killed; every child is
+reaped and the job's /dev/shm segments are swept, whatever happened.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import selectors
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import cloudpickle
+
+from .communicator import Communicator
+from .errors import CommError, PeerFailure, SpawnError
+from .tuning import LinkModel
+
+TRANSPORTS = ("auto", "shm", "tcp", "rdma", "ub", "inproc")
+FAILURE_GRACE = 5.0     # seconds the surviving ranks get to notice a failure by themselves
+
+
+def node_map(world_size: int, nodes: int) -> Tuple[int, ...]:
+    """``nodes`` emulated nodes as blocks of consecutive ranks (sizes differ by at most one)."""
+    if not 1 <= nodes <= max(1, world_size):
+        raise ValueError(f"nodes={nodes} must be between 1 and world_size={world_size}")
+    return tuple(r * nodes // world_size for r in range(world_size))
+
+
+# ---------------------------------------------------------------------------------- spawn
+def spawn(fn: Callable, world_size: int, args: Sequence = (), transport: str = "auto",
+          nodes: int = 1, timeout: Optional[float] = None) -> List[Any]:
+    """Run ``fn(comm, *args)`` on ``world_size`` ranks; return the results by rank.
+
+    Raises ``SpawnError`` (root cause first) if any rank raises or dies."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport {transport!r}: choose one of {', '.join(TRANSPORTS)}")
+    if world_size < 1:
+        raise ValueError("world_size must be >= 1")
+    topology = node_map(world_size, nodes)
+    if transport == "inproc":
+        return _spawn_threads(fn, world_size, tuple(args), topology, timeout)
+    return _spawn_processes(fn, world_size, tuple(args), transport, topology, timeout)
+
+
+def _order_failures(failures):
+    """Root causes (own errors, deaths) first, then ranks that only lost a peer; by time."""
+    return sorted(failures, key=lambda f: (f[3], f[0]))
+
+
+def _raise_spawn_error(failures, world_size: int):
+    failures = _order_failures(failures)
+    first = failures[0]
+    lines = [f"{len(failures)} of {world_size} ranks failed; root cause: rank {first[1]}: "
+             f"{first[2]}"]
+    for _, rank, summary, _, tb in failures:
+        lines.append(f"--- rank {rank}: {summary}\n{tb.rstrip()}")
+    raise SpawnError("\n".join(lines), [(f[1], f[4]) for f in failures])
+
+
+def _spawn_threads(fn, world_size, args, topology, timeout):
+    from .transports.inproc import Fabric, InprocTransport
+    fabric = Fabric(world_size)
+    results: List[Any] = [None] * world_size
+    failures = []
+    lock = threading.Lock()
+    model = LinkModel.for_transports("inproc", "inproc")
+
+    def body(rank: int):
+        comm = Communicator(InprocTransport(fabric, rank), rank, world_size, topology=topology,
+                            timeout=timeout, check="full", link_model=model)
+        try:
+            results[rank] = fn(comm, *args)
+        except BaseException as e:   # reported to the caller through SpawnError
+            with lock:
+                failures.append((time.monotonic(), rank, f"{type(e).__name__}: {e}",
+                                 isinstance(e, PeerFailure), traceback.format_exc()))
+            fabric.abort(rank, e)
+        finally:
+            comm.close()
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"minicomm-rank{r}")
+               for r in range(world_size)]
+    for t in threads:
+        t.start()
+    end = None if timeout is None else time.monotonic() + timeout + FAILURE_GRACE
+    for r, t in enumerate(threads):
+        t.join(None if end is None else max(0.0, end - time.monotonic()))
+    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    if hung:
+        fabric.abort(hung[0], CommError("spawn timeout"))
+        failures.extend((time.monotonic(), r, f"still running after timeout={timeout}s", False, "")
+                        for r in hung)
+    if failures:
+        _raise_spawn_error(failures, world_size)
+    return results
+
+
+def _sweep(job_id: str) -> None:
+    try:
+        from .transports.shm import sweep_job_segments
+    except ImportError:       # shm transport not available: nothing of ours can be in /dev/shm
+        return
+    sweep_job_segments(job_id)
+
+
+def _spawn_processes(fn, world_size, args, transport, topology, timeout):
+    from .rendezvous import StoreServer
+    job_id = secrets.token_hex(6)
+    token = secrets.token_bytes(32)
+    server = StoreServer("127.0.0.1", 0, token)
+    blob = cloudpickle.dumps((fn, args))
+    procs: List[subprocess.Popen] = []
+    readers: Dict[int, int] = {}
+    try:
+        for rank in range(world_size):
+            rfd, wfd = os.pipe()
+            cfg = dict(rank=rank, size=world_size, node=topology[rank], topology=topology,
+                       master_addr="127.0.0.1", master_port=server.port, token=token.hex(),
+                       job_id=job_id, transport=transport, timeout=timeout, result_fd=wfd,
+                       sys_path=list(sys.path), cwd=os.getcwd())
+            payload = cloudpickle.dumps(cfg) + blob
+            p = subprocess.Popen([sys.executable, "-m", "minicomm._worker"], stdin=subprocess.PIPE,
+                                 pass_fds=(wfd,), cwd=os.getcwd())
+            os.close(wfd)
+            readers[rank] = rfd
+            procs.append(p)
+            header = struct.pack("!QQ", len(payload) - len(blob), len(blob))
+            p.stdin.write(header + payload)
+            p.stdin.flush()            # stdin stays open: it is the child's lifeline
+        return _collect(procs, readers, world_size, timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+            p.wait()
+        for fd in readers.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        server.close()
+        _sweep(job_id)
+
+
+def _collect(procs, readers, world_size, timeout):
+    sel = selectors.DefaultSelector()
+    chunks: Dict[int, List[bytes]] = {r: [] for r in readers}
+    for r, fd in readers.items():
+        sel.register(fd, selectors.EVENT_READ, r)
+    results: List[Any] = [None] * world_size
+    failures = []
+    finished = set()
+    first_failure_at: Optional[float] = None
+    end = None if timeout is None else time.monotonic() + timeout + FAILURE_GRACE
+    while len(finished) < world_size:
+        now = time.monotonic()
+        limit = None
+        if first_failure_at is not None:
+            limit = first_failure_at + FAILURE_GRACE
+        if end is not None:
+            limit = end if limit is None else min(limit, end)
+        if limit is not None and now >= limit:
+            for r in range(world_size):
+                if r not in finished:
+                    procs[r].kill()
+                    why = ("killed: still running after timeout" if first_failure_at is None
+                           else f"killed {FAILURE_GRACE:.0f}s after the job failed")
+                    failures.append((now, r, why, True, ""))
+                    finished.add(r)
+            break
+        events = sel.select(None if limit is None else max(0.01, limit - now))
+        for key, _ in events:
+            r = key.data
+            data = os.read(key.fd, 1 << 20)
+            if data:
+                chunks[r].append(data)
+                continue
+            sel.unregister(key.fd)
+            finished.add(r)
+            raw = b"".join(chunks[r])
+            rc = procs[r].wait()
+            if raw:
+                status, value = cloudpickle.loads(raw)
+            else:
+                sig = -rc if rc < 0 else None
+                status = "error"
+                value = (time.time(), f"process died ({'signal ' + signal.Signals(sig).name if sig else 'exit code ' + str(rc)}) without reporting",
+                         False, "")
+            if status == "ok":
+                results[r] = value
+            else:
+                when, summary, consequence, tb = value
+                failures.append((when, r, summary, consequence, tb))
+                if first_failure_at is None:
+                    first_failure_at = time.monotonic()
+    sel.close()
+    if failures:
+        _raise_spawn_error(failures, world_size)
+    return results
+
+
+# ---------------------------------------------------------------------------------- init
+def _env_int(*names: str) -> Optional[int]:
+    for n in names:
+        v = os.environ.get(n)
+        if v not in (None, ""):
+            return int(v)
+    return None
+
+
+def init(transport: Optional[str] = None, timeout: Optional[float] = None) -> Communicator:
+    """The world communicator of a process started by ``minicomm run``, torchrun, mpirun or srun."""
+    rank = _env_int("MINICOMM_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+    size = _env_int("MINICOMM_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+    if rank is None or size is None:
+        raise CommError("mc.init(): no launcher environment found (MINICOMM_RANK/SIZE, RANK/"
+                        "WORLD_SIZE, OMPI_COMM_WORLD_*, PMI_*, SLURM_*); start the script with "
+                        "`minicomm run -n N script.py` or use mc.spawn")
+    addr = os.environ.get("MINICOMM_MASTER_ADDR") or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = _env_int("MINICOMM_MASTER_PORT")
+    foreign = port is None
+    if foreign:
+        base = _env_int("MASTER_PORT")
+        if base is None:
+            raise CommError("mc.init(): MASTER_PORT (or MINICOMM_MASTER_PORT) is not set")
+        # torchrun's agent already serves its own store on MASTER_PORT: use the next port.
+        port = base + (1 if os.environ.get("TORCHELASTIC_RUN_ID") else 0)
+    token_hex = os.environ.get("MINICOMM_JOB_TOKEN")
+    if token_hex:
+        token = bytes.fromhex(token_hex)
+    else:
+        # Foreign launchers give no secret: derive one all ranks share (no protection against a
+        # local attacker — say so once).
+        token = f"minicomm:{addr}:{port}:{size}".encode()
+        if rank == 0:
+            print("minicomm: no MINICOMM_JOB_TOKEN set; connections are authenticated with a "
+                  "token derived from MASTER_ADDR/PORT only", file=sys.stderr)
+    node = os.environ.get("MINICOMM_NODE")
+    if node is None:
+        import socket
+        node = socket.gethostname()
+    cfg = dict(rank=rank, size=size, node=node, topology=None, master_addr=addr,
+               master_port=port, token=token.hex(), host_store=foreign and rank == 0,
+               job_id=os.environ.get("MINICOMM_JOB_ID") or f"{port}",
+               transport=transport or os.environ.get("MINICOMM_TRANSPORT", "auto"),
+               timeout=timeout)
+    return connect_world(cfg)
+
+
+def connect_world(cfg: Dict[str, Any]) -> Communicator:
+    """Build the world communicator from a configuration (from ``spawn`` or ``init``)."""
+    from .rendezvous import StoreClient, StoreServer
+    rank, size = cfg["rank"], cfg["size"]
+    token = bytes.fromhex(cfg["token"])
+    timeout = cfg.get("timeout")
+    env_timeout = os.environ.get("MINICOMM_TIMEOUT")
+    setup_timeout = float(timeout if timeout is not None else env_timeout or 300.0)
+    kind = cfg["transport"]
+    if kind not in TRANSPORTS or kind == "inproc":
+        raise ValueError(f"transport {kind!r} cannot connect processes; choose auto, shm or tcp")
+    server = None
+    if cfg.get("host_store"):
+        server = StoreServer("0.0.0.0", cfg["master_port"], token)
+    store = StoreClient(cfg["master_addr"], cfg["master_port"], token, timeout=setup_timeout)
+    topology = cfg.get("topology")
+    if topology is None:
+        store.set(f"node/{rank}", str(cfg["node"]).encode())
+        names = [store.get(f"node/{r}").decode() for r in range(size)]
+        topology = tuple(names.index(n) for n in names)
+    from .transports import connect
+    bind = os.environ.get("MINICOMM_BIND") or os.environ.get("MINICOMM_SOCKET_IFNAME_ADDR")
+    t = connect(kind, rank, size, store, cfg["job_id"], token, tuple(topology), setup_timeout,
+                bind_host=bind or ("127.0.0.1" if cfg["master_addr"] in ("127.0.0.1", "localhost")
+                                   else "0.0.0.0"))
+    intra = "tcp" if kind == "tcp" else kind if kind in ("rdma", "ub") else "shm"
+    inter = kind if kind in ("tcp", "rdma", "ub") else "tcp"
+    comm = Communicator(t, rank, size, topology=topology, timeout=timeout,
+                        link_model=LinkModel.for_transports(intra, inter))
+    comm._store, comm._store_server = store, server
+    if comm.debug_info and hasattr(t, "describe"):
+        comm._log(f"transports: {t.describe()}")
+    return comm
