@@ -301,3 +301,100 @@ def connect_world(cfg: Dict[str, Any]) -> Communicator:
     if comm.debug_info and hasattr(t, "describe"):
         comm._log(f"transports: {t.describe()}")
     return comm
+
+
+# ---------------------------------------------------------------------------------- run -n
+def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str = "auto",
+              timeout: Optional[float] = None, python: str = sys.executable,
+              out=None) -> int:
+    """``minicomm run -n N script.py args`` on this box: start N ranks, prefix their output with
+    ``[rank]``, end them all when one fails or on Ctrl-C/SIGTERM; return the exit status."""
+    from .rendezvous import StoreServer
+    out = out or sys.stdout.buffer
+    topology = node_map(nprocs, nodes)
+    job_id = secrets.token_hex(6)
+    token = secrets.token_bytes(32)
+    server = StoreServer("127.0.0.1", 0, token)
+    procs: List[subprocess.Popen] = []
+    sel = selectors.DefaultSelector()
+    stop = {"signal": None}
+
+    def on_signal(signum, frame):
+        stop["signal"] = signum
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    exit_code = 0
+    try:
+        for rank in range(nprocs):
+            node = topology[rank]
+            same = [r for r in range(nprocs) if topology[r] == node]
+            env = dict(os.environ, MINICOMM_RANK=str(rank), MINICOMM_SIZE=str(nprocs),
+                       MINICOMM_LOCAL_RANK=str(same.index(rank)), MINICOMM_LOCAL_SIZE=str(len(same)),
+                       MINICOMM_NODE=str(node), MINICOMM_NUM_NODES=str(nodes),
+                       MINICOMM_MASTER_ADDR="127.0.0.1", MINICOMM_MASTER_PORT=str(server.port),
+                       MINICOMM_JOB_TOKEN=token.hex(), MINICOMM_JOB_ID=job_id,
+                       MINICOMM_TRANSPORT=transport, PYTHONUNBUFFERED="1")
+            if timeout is not None:
+                env["MINICOMM_TIMEOUT"] = str(timeout)
+            p = subprocess.Popen([python] + list(argv), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, env=env, start_new_session=True)
+            procs.append(p)
+            for stream in (p.stdout, p.stderr):
+                sel.register(stream, selectors.EVENT_READ, (rank, stream, bytearray()))
+        open_streams = 2 * nprocs
+        failed_at = None
+        while open_streams or any(p.poll() is None for p in procs):
+            if stop["signal"] is not None and failed_at is None:
+                failed_at = time.monotonic()
+                exit_code = 128 + stop["signal"]
+                for p in procs:
+                    _signal_group(p, signal.SIGTERM)
+            if failed_at is not None and time.monotonic() > failed_at + FAILURE_GRACE:
+                for p in procs:
+                    _signal_group(p, signal.SIGKILL)
+            for key, _ in sel.select(0.2):
+                rank, stream, pending = key.data
+                data = os.read(stream.fileno(), 65536)
+                if not data:
+                    if pending:
+                        out.write(b"[%d] " % rank + bytes(pending) + b"\n")
+                    sel.unregister(stream)
+                    open_streams -= 1
+                    continue
+                pending += data
+                *lines, rest = bytes(pending).split(b"\n")
+                pending[:] = rest
+                for line in lines:
+                    out.write(b"[%d] " % rank + line + b"\n")
+                out.flush()
+            for rank, p in enumerate(procs):
+                rc = p.poll()
+                if rc not in (None, 0) and failed_at is None:
+                    failed_at = time.monotonic()
+                    exit_code = rc if rc > 0 else 128 - rc
+                    msg = f"minicomm run: rank {rank} exited with status {rc}; ending the job\n"
+                    out.write(msg.encode())
+                    out.flush()
+                    for q in procs:
+                        if q.poll() is None:
+                            _signal_group(q, signal.SIGTERM)
+            if not open_streams and all(p.poll() is not None for p in procs):
+                break
+        return exit_code
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _signal_group(p, signal.SIGKILL)
+            p.wait()
+        sel.close()
+        for s, h in old.items():
+            signal.signal(s, h)
+        server.close()
+        _sweep(job_id)
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,68 @@
+"""The ``minicomm`` command: verify | run (later: bench, sim, demo)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _cmd_verify(a) -> int:
+    from .verifier import run_matrix
+    ok = run_matrix(a.max_world, all_roots=a.all_roots, jobs=a.jobs,
+                    collectives=a.collective or None, families=a.algorithm or None)
+    return 0 if ok else 1
+
+
+def _cmd_run(a) -> int:
+    argv = list(a.script)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        print("minicomm run: no script given", file=sys.stderr)
+        return 2
+    if a.hosts or a.hostfile:
+        from . import sshlaunch
+        hosts = (sshlaunch.parse_hostfile(a.hostfile) if a.hostfile
+                 else sshlaunch.parse_hosts(a.hosts))
+        return sshlaunch.main_from_cli(a, hosts, argv)
+    if a.n is None:
+        print("minicomm run: give -n N (or --hosts / --hostfile)", file=sys.stderr)
+        return 2
+    from .launch import run_local
+    return run_local(a.n, argv, nodes=a.nodes, transport=a.transport, timeout=a.timeout)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="minicomm", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    v = sub.add_parser("verify", help="prove every algorithm correct and deadlock-free")
+    v.add_argument("--max-world", type=int, default=64)
+    v.add_argument("--all-roots", action="store_true", help="every root at every world size")
+    v.add_argument("--jobs", type=int, default=0, help="processes (default: all cores)")
+    v.add_argument("--collective", action="append", help="restrict to these (repeatable)")
+    v.add_argument("--algorithm", action="append", help="restrict to these families (repeatable)")
+    v.set_defaults(func=_cmd_verify)
+
+    r = sub.add_parser("run", help="launch a script on N ranks (this box, or hosts over ssh)")
+    r.add_argument("-n", type=int, help="number of ranks (with --hosts: cap on the total)")
+    r.add_argument("--nodes", type=int, default=1, help="emulated nodes on this box")
+    r.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"])
+    r.add_argument("--timeout", type=float, default=None, help="per-wait timeout (s)")
+    r.add_argument("--hosts", help="host:slots,host:slots (ssh)")
+    r.add_argument("--hostfile", help="file of 'host [slots=N]' lines (ssh)")
+    r.add_argument("--ssh-opts", default=None, help="extra ssh options (or MINICOMM_SSH)")
+    r.add_argument("--python", default=None, help="interpreter on the hosts (default: this one)")
+    r.add_argument("--master-addr", default=None, help="address the hosts reach this machine at")
+    r.add_argument("--connect-timeout", type=float, default=10.0)
+    r.add_argument("script", nargs=argparse.REMAINDER)
+    r.set_defaults(func=_cmd_run)
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
