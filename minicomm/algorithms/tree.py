@@ -97,8 +97,10 @@ def _emit(b: ScheduleBuilder, steps: Steps, pre: Sequence[Op] = ()) -> None:
 
 # --- tree phases, in relative ranks; ``peer`` maps a relative rank to an absolute one ---------
 
-def _bcast_down(v: int, p: int, peer, buf: str, off: int, cnt: int, root_buf: Optional[str] = None) -> Steps:
-    """Receive buf[off:off+cnt] from the parent, then forward it, farthest subtree first."""
+def _bcast_down(v: int, p: int, peer, buf: str, off: int, cnt: int,
+                root_buf: Optional[str] = None) -> Steps:
+    """Receive buf[off:off+cnt] from the parent, then forward it, farthest subtree first (the
+    root sends from ``root_buf`` when given)."""
     steps: Steps = []
     src = buf
     if v:
@@ -110,15 +112,15 @@ def _bcast_down(v: int, p: int, peer, buf: str, off: int, cnt: int, root_buf: Op
     return steps
 
 
-def _reduce_up(v: int, p: int, peer, acc: str, acc_off: int, src_off: int, cnt: int) -> Steps:
-    """Reduce children's partial results into acc (seeded from ``in``), then send it up.
-    A leaf sends its ``in`` region directly."""
+def _reduce_up(v: int, p: int, peer, acc: str, acc_off: int, cnt: int) -> Steps:
+    """Reduce children's partial results into acc[acc_off:] (seeded from ``in``), then send it
+    up. A leaf sends its ``in`` directly."""
     kids = _children(v, p)
     steps: Steps = [[Recv(peer(c), acc, acc_off, cnt, True)] for c, _ in kids]
     if kids:
-        steps[0].insert(0, Copy(IN, src_off, acc, acc_off, cnt))
+        steps[0].insert(0, Copy(IN, 0, acc, acc_off, cnt))
     if v:
-        steps.append([Send(peer(_parent(v)), acc if kids else IN, acc_off if kids else src_off, cnt)])
+        steps.append([Send(peer(_parent(v)), acc if kids else IN, acc_off if kids else 0, cnt)])
     return steps
 
 
@@ -157,14 +159,14 @@ def _reduce(b, v, p, n, peer):
     if p == 1:
         b.step(Copy(IN, 0, OUT, 0, n))
         return
-    _emit(b, _reduce_up(v, p, peer, OUT, 0, 0, n))
+    _emit(b, _reduce_up(v, p, peer, OUT, 0, n))
 
 
 def _allreduce(b, r, p, n):
     if p == 1:
         b.step(Copy(IN, 0, OUT, 0, n))
         return
-    _emit(b, _reduce_up(r, p, _same_rank, OUT, 0, 0, n) + _bcast_down(r, p, _same_rank, OUT, 0, n))
+    _emit(b, _reduce_up(r, p, _same_rank, OUT, 0, n) + _bcast_down(r, p, _same_rank, OUT, 0, n))
 
 
 def _allgather(b, r, p, n):
@@ -185,7 +187,7 @@ def _reduce_scatter(b, r, p, n):
         return
     kids = _children(r, p)
     acc = b.alloc_tmp(p * n) if kids else 0   # leaves neither accumulate nor forward blocks
-    steps = _reduce_up(r, p, _same_rank, TMP, acc, 0, p * n)
+    steps = _reduce_up(r, p, _same_rank, TMP, acc, p * n)
     if r == 0:
         down: Steps = [[Send(c, TMP, acc + c * n, s * n)] for c, s in reversed(kids)]
         down[0].insert(0, Copy(TMP, acc, OUT, 0, n))
@@ -209,15 +211,16 @@ def _gather(b, v, p, n, root, peer):
             t = b.alloc_tmp(s * n)
             head = p - a
             steps.append([Recv(peer(c), TMP, t, s * n)])
-            fixup = [Copy(TMP, t, OUT, a * n, head * n), Copy(TMP, t + head * n, OUT, 0, (s - head) * n)]
+            fixup = [Copy(TMP, t, OUT, a * n, head * n),
+                     Copy(TMP, t + head * n, OUT, 0, (s - head) * n)]
     _emit(b, steps, pre=[Copy(IN, 0, OUT, root * n, n)])
     b.step(*fixup)
 
 
 def _scatter(b, v, p, n, root, peer):
     if v:
-        _emit(b, _scatter_down(v, p, n, peer, TMP, b.alloc_tmp(_subtree(v, p) * n)
-                               if _children(v, p) else 0))
+        staging = b.alloc_tmp(_subtree(v, p) * n) if _children(v, p) else 0   # leaves: none
+        _emit(b, _scatter_down(v, p, n, peer, TMP, staging))
         return
     pack: List[Op] = [Copy(IN, root * n, OUT, 0, n)]
     steps: Steps = []
@@ -228,7 +231,8 @@ def _scatter(b, v, p, n, root, peer):
         else:   # the wrapping range is packed into tmp in relative order
             t = b.alloc_tmp(s * n)
             head = p - a
-            pack += [Copy(IN, a * n, TMP, t, head * n), Copy(IN, 0, TMP, t + head * n, (s - head) * n)]
+            pack += [Copy(IN, a * n, TMP, t, head * n),
+                     Copy(IN, 0, TMP, t + head * n, (s - head) * n)]
             steps.append([Send(peer(c), TMP, t, s * n)])
     _emit(b, steps, pre=pack)
 
