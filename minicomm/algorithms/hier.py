@@ -1,0 +1,326 @@
+"""Hierarchical family: intra-node phase, inter-node phase among one rank per node, intra-node phase.
+
+Every phase is a flat schedule built by ``build_schedule`` for the sub-group (a node, the node
+leaders, or the ranks sharing a local index) and translated by ``embed``; phases run one after the
+other, the groups of one phase in parallel. Flat families per phase:
+
+- INTRA = "ring": inside a node α is small (shared memory, NVLink) and ring is bandwidth optimal,
+  talking only to neighbours, so no link or memory port is shared by two messages at once.
+- INTER = "rhd": between nodes α dominates; recursive halving/doubling takes O(lg m) rounds
+  (alltoall aside) with the bandwidth term of a ring (Rabenseifner), so it wins on the slow hop.
+
+The node map ``topology`` may be anything: uneven nodes, non-contiguous ranks, nodes of one rank.
+Nodes are ordered by their lowest rank; a node's ranks are in rank order (local index i). The
+leader of a node is its lowest rank, except that the root's node is led by the root (so rooted
+data never takes an extra hop). One node: the INTRA schedule alone; one rank per node: the INTER
+schedule alone. Below, m nodes, L ranks per node (Lmax the largest node), n = ``count``, and
+T_f(coll, q, x) the cost of family f's ``coll`` on q ranks with count x (see ring.py / rhd.py).
+Node-sized blocks exchanged between leaders are padded to Lmax blocks when nodes are uneven; pad
+elements that take part in a reduction are filled with copies of real data (no arithmetic on
+uninitialised memory), other pad elements are never read into a result.
+
+broadcast: INTER broadcast among leaders, then INTRA broadcast from each leader.
+  T_rhd(broadcast, m, n) + T_ring(broadcast, L, n).
+reduce: INTRA reduce to each leader, then INTER reduce among leaders to the root.
+  T_ring(reduce, L, n) + T_rhd(reduce, m, n).
+allreduce, equal nodes: INTRA reduce-scatter (shard c = ⌈n/L⌉, the vector padded to L*c when L
+  does not divide n), INTER allreduce of shard i among the m ranks of local index i (all shards in
+  parallel), INTRA allgather. T_ring(reduce_scatter, L, c) + T_rhd(allreduce, m, c) +
+  T_ring(allgather, L, c) ≈ 2(L-1)α_intra + 2((L-1)/L)nβ_intra + T_rhd(allreduce, m, n/L).
+allreduce, uneven nodes (shards would differ in number per node): INTRA reduce to the leader, INTER
+  allreduce among leaders, INTRA broadcast. T_ring(reduce, L, n) + T_rhd(allreduce, m, n) +
+  T_ring(broadcast, L, n).
+allgather: INTRA gather to the leader, INTER allgather of node blocks (Lmax*n) among leaders, the
+  leader puts blocks in rank order (a local permutation, skipped when nodes are consecutive rank
+  ranges of equal size), INTRA broadcast of p*n.
+  T_ring(gather, L, n) + T_rhd(allgather, m, Lmax*n) + T_ring(broadcast, L, p*n).
+reduce_scatter, equal nodes: the input is permuted so that segment i holds the blocks of the ranks
+  of local index i (node order; skipped when rank = i*m + node), INTRA reduce-scatter of segments
+  (m*n), INTER reduce-scatter of n among the ranks of local index i.
+  T_ring(reduce_scatter, L, m*n) + T_rhd(reduce_scatter, m, n).
+reduce_scatter, uneven nodes: INTRA reduce of p*n to the leader, INTER reduce-scatter of node
+  blocks (Lmax*n, permuted and padded) among leaders, INTRA scatter.
+  T_ring(reduce, L, p*n) + T_rhd(reduce_scatter, m, Lmax*n) + T_ring(scatter, L, n).
+gather: INTRA gather to the leader, INTER gather of node blocks (Lmax*n) to the root, which puts
+  blocks in rank order (skipped for consecutive equal nodes).
+  T_ring(gather, L, n) + T_rhd(gather, m, Lmax*n).
+scatter: the reverse: the root puts blocks in node order, INTER scatter of node blocks, INTRA
+  scatter. T_rhd(scatter, m, Lmax*n) + T_ring(scatter, L, n).
+alltoall: INTRA gather of every member's whole input (p*n) to the leader, the leader packs, for
+  each destination node, an Lmax x Lmax matrix of n-blocks (destination member major), INTER
+  alltoall of Lmax²n among leaders, the leader unpacks each member's p blocks in source order,
+  INTRA scatter of p*n. T_ring(gather, L, p*n) + T_rhd(alltoall, m, Lmax²n) + T_ring(scatter, L,
+  p*n). Aggregation trades bandwidth and leader memory (L*p*n) for m-1 instead of p-1 messages
+  crossing the network per rank.
+barrier: INTRA gather of zero-length messages to the leader (the leader learns its node entered),
+  INTER barrier among leaders, INTRA broadcast of zero-length messages (release).
+  T_ring(gather, L, 0) + T_rhd(barrier, m) + T_ring(broadcast, L, 0).
+
+Communicating steps of a rank = the sum of the comm steps of the phases it takes part in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Dict, List, Sequence, Tuple
+
+from ..schedule import (IN, OUT, ROOTED, TMP, Copy, Schedule, ScheduleBuilder, Topology, embed)
+
+INTRA = "ring"
+INTER = "rhd"
+
+Region = Tuple[str, int]   # (buffer, offset)
+
+
+@dataclass(frozen=True)
+class NodeMap:
+    """The node structure of a topology: nodes ordered by lowest rank, ranks in rank order."""
+    nodes: Tuple[Tuple[int, ...], ...]
+    node_of: Tuple[int, ...]       # node index of every rank
+    local_of: Tuple[int, ...]      # index of every rank inside its node
+    lmax: int                      # size of the largest node
+    equal: bool                    # all nodes have the same size
+    blocked: bool                  # node k is ranks k*L .. k*L+L-1 (rank order = node order)
+    cyclic: bool                   # rank = local index * m + node index
+
+    @property
+    def m(self) -> int:
+        return len(self.nodes)
+
+
+@lru_cache(maxsize=256)
+def node_map(topology: Topology) -> NodeMap:
+    members: Dict[int, List[int]] = {}
+    for r, node in enumerate(topology):
+        members.setdefault(node, []).append(r)   # dicts keep first appearance: lowest-rank order
+    nodes = tuple(tuple(g) for g in members.values())
+    node_of, local_of = [0] * len(topology), [0] * len(topology)
+    for k, g in enumerate(nodes):
+        for i, r in enumerate(g):
+            node_of[r], local_of[r] = k, i
+    m, lmax = len(nodes), max(len(g) for g in nodes)
+    equal = all(len(g) == lmax for g in nodes)
+    blocked = equal and all(g == tuple(range(k * lmax, (k + 1) * lmax)) for k, g in enumerate(nodes))
+    cyclic = equal and all(g == tuple(range(k, len(topology), m)) for k, g in enumerate(nodes))
+    return NodeMap(nodes, tuple(node_of), tuple(local_of), lmax, equal, blocked, cyclic)
+
+
+def build(collective: str, rank: int, size: int, count: int, root: int, topology) -> Schedule:
+    if len(topology) != size:
+        raise ValueError(f"topology names {len(topology)} ranks, world size is {size}")
+    nm = node_map(tuple(topology))
+    b = ScheduleBuilder(collective, "hier", rank, size, count, root)
+    if nm.m == 1 or nm.m == size:
+        # One node, or one rank per node: only one level exists, so one flat phase is the whole.
+        _phase(b, collective, INTRA if nm.m == 1 else INTER, range(size), rank, count, root,
+               (IN, 0), (OUT, 0))
+    else:
+        _BUILDERS[collective](b, _Place(nm, rank, root, collective in ROOTED), count)
+    return b.build()
+
+
+class _Place:
+    """Where one rank sits: its node, local index, node leaders and the root's node."""
+
+    def __init__(self, nm: NodeMap, rank: int, root: int, rooted: bool):
+        self.nm, self.rank = nm, rank
+        self.k, self.i = nm.node_of[rank], nm.local_of[rank]
+        self.node = nm.nodes[self.k]
+        self.root_node = nm.node_of[root] if rooted else 0
+        self.leaders = [g[0] for g in nm.nodes]
+        if rooted:
+            self.leaders[self.root_node] = root
+        self.lead = nm.local_of[self.leaders[self.k]]   # leader's index inside this node
+        self.is_leader = self.i == self.lead
+        self.is_root = rooted and rank == root
+
+
+def _phase(b: ScheduleBuilder, coll: str, fam: str, group: Sequence[int], sub_rank: int,
+           count: int, sub_root: int, inb: Region, outb: Region) -> None:
+    """Append the flat ``fam`` schedule of ``coll`` for ``group`` (this rank is group[sub_rank]),
+    its ``in`` and ``out`` at the given regions, its scratch in a fresh part of ``tmp``."""
+    sub = _flat(coll, fam, sub_rank, len(group), count, sub_root)
+    b.extend(embed(sub, group, {IN: inb, OUT: outb, TMP: (TMP, b.alloc_tmp(sub.tmp_count))}))
+
+
+def _flat(coll: str, fam: str, rank: int, size: int, count: int, root: int) -> Schedule:
+    from . import build_schedule   # the registry imports this module: resolve it at call time
+    return build_schedule(coll, fam, rank, size, count, root)
+
+
+def _copies(src: str, dst: str, moves, n: int) -> List[Copy]:
+    """Copy ops for n-element blocks ``(src_offset, dst_offset)``, adjacent blocks merged."""
+    ops: List[List[int]] = []
+    for so, do in moves:
+        if ops and ops[-1][0] + ops[-1][2] == so and ops[-1][1] + ops[-1][2] == do:
+            ops[-1][2] += n
+        else:
+            ops.append([so, do, n])
+    return [Copy(src, so, dst, do, ln) for so, do, ln in ops]
+
+
+def _node_blocks(nm: NodeMap, n: int):
+    """(rank's block offset in rank order, its offset in node order padded to lmax) per rank."""
+    return ((r * n, (k * nm.lmax + i) * n) for k, g in enumerate(nm.nodes) for i, r in enumerate(g))
+
+
+def _broadcast(b: ScheduleBuilder, pl: _Place, n: int) -> None:
+    if pl.is_leader:
+        # The root keeps its own data where it is; other leaders stage what they receive in tmp.
+        got = (OUT, 0) if pl.is_root else (TMP, b.alloc_tmp(n))
+        _phase(b, "broadcast", INTER, pl.leaders, pl.k, n, pl.root_node, (IN, 0), got)
+        src = (IN, 0) if pl.is_root else got
+    else:
+        src = (IN, 0)   # not read: only the sub-root reads its input
+    _phase(b, "broadcast", INTRA, pl.node, pl.i, n, pl.lead, src, (OUT, 0))
+
+
+def _reduce(b: ScheduleBuilder, pl: _Place, n: int) -> None:
+    # Non-root ranks may use ``out`` as scratch, so only the root needs a staging buffer.
+    part = (TMP, b.alloc_tmp(n)) if pl.is_root else (OUT, 0)
+    _phase(b, "reduce", INTRA, pl.node, pl.i, n, pl.lead, (IN, 0), part)
+    if pl.is_leader:
+        res = (OUT, 0) if pl.is_root else (TMP, b.alloc_tmp(n))
+        _phase(b, "reduce", INTER, pl.leaders, pl.k, n, pl.root_node, part, res)
+
+
+def _allreduce(b: ScheduleBuilder, pl: _Place, n: int) -> None:
+    nm = pl.nm
+    if not nm.equal:
+        # ``out`` is scratch until the final broadcast overwrites all of it.
+        _phase(b, "reduce", INTRA, pl.node, pl.i, n, pl.lead, (IN, 0), (OUT, 0))
+        src = (IN, 0)
+        if pl.is_leader:
+            src = (TMP, b.alloc_tmp(n))
+            _phase(b, "allreduce", INTER, pl.leaders, pl.k, n, 0, (OUT, 0), src)
+        _phase(b, "broadcast", INTRA, pl.node, pl.i, n, pl.lead, src, (OUT, 0))
+        return
+    L = nm.lmax
+    c = -(-n // L)
+    padded = L * c
+    vec = (IN, 0)
+    if padded != n:
+        vec = (TMP, b.alloc_tmp(padded))
+        fill = [Copy(IN, 0, TMP, vec[1], n)]
+        for off in range(n, padded, n):   # pad with real values: they are reduced, then dropped
+            fill.append(Copy(IN, 0, TMP, vec[1] + off, min(n, padded - off)))
+        b.step(*fill)
+    shard, total = (TMP, b.alloc_tmp(c)), (TMP, b.alloc_tmp(c))
+    _phase(b, "reduce_scatter", INTRA, pl.node, pl.i, c, 0, vec, shard)
+    peers = [g[pl.i] for g in nm.nodes]   # the ranks holding the same shard on every node
+    real = max(0, min(c, n - pl.i * c))   # the pad tail of the last shards need not cross nodes
+    _phase(b, "allreduce", INTER, peers, pl.k, real, 0, shard, total)
+    res = (OUT, 0) if padded == n else (TMP, b.alloc_tmp(padded))
+    _phase(b, "allgather", INTRA, pl.node, pl.i, c, 0, total, res)
+    if padded != n:
+        b.step(Copy(TMP, res[1], OUT, 0, n))
+
+
+def _allgather(b: ScheduleBuilder, pl: _Place, n: int) -> None:
+    nm, p = pl.nm, len(pl.nm.node_of)
+    blk = nm.lmax * n
+    if pl.is_leader:
+        mine = (TMP, b.alloc_tmp(blk))
+        _phase(b, "gather", INTRA, pl.node, pl.i, n, pl.lead, (IN, 0), mine)
+        ordered = (TMP, b.alloc_tmp(p * n))
+        every = ordered if nm.blocked else (TMP, b.alloc_tmp(nm.m * blk))
+        _phase(b, "allgather", INTER, pl.leaders, pl.k, blk, 0, mine, every)
+        if not nm.blocked:
+            b.step(*_copies(TMP, TMP, ((every[1] + s, ordered[1] + d)
+                                       for d, s in _node_blocks(nm, n)), n))
+        src = ordered
+    else:
+        _phase(b, "gather", INTRA, pl.node, pl.i, n, pl.lead, (IN, 0), (OUT, 0))   # out: scratch
+        src = (IN, 0)   # not read
+    _phase(b, "broadcast", INTRA, pl.node, pl.i, p * n, pl.lead, src, (OUT, 0))
+
+
+def _reduce_scatter(b: ScheduleBuilder, pl: _Place, n: int) -> None:
+    nm, p, m = pl.nm, len(pl.nm.node_of), pl.nm.m
+    if nm.equal:
+        vec = (IN, 0)
+        if not nm.cyclic:
+            # Segment i = the blocks of the ranks of local index i, in node order.
+            vec = (TMP, b.alloc_tmp(p * n))
+            b.step(*_copies(IN, TMP, sorted(
+                (r * n, vec[1] + (nm.local_of[r] * m + nm.node_of[r]) * n) for r in range(p)), n))
+        seg = (TMP, b.alloc_tmp(m * n))
+        _phase(b, "reduce_scatter", INTRA, pl.node, pl.i, m * n, 0, vec, seg)
+        peers = [g[pl.i] for g in nm.nodes]
+        _phase(b, "reduce_scatter", INTER, peers, pl.k, n, 0, seg, (OUT, 0))
+        return
+    blk = nm.lmax * n
+    whole = (TMP, b.alloc_tmp(p * n))
+    _phase(b, "reduce", INTRA, pl.node, pl.i, p * n, pl.lead, (IN, 0), whole)
+    src = (IN, 0)   # not read
+    if pl.is_leader:
+        padded = b.alloc_tmp(nm.m * blk)
+        moves = [(whole[1] + s, padded + d) for s, d in _node_blocks(nm, n)]
+        # Pad blocks are reduced too: give them real values (the node's first block).
+        moves += [(whole[1] + g[0] * n, padded + (k * nm.lmax + i) * n)
+                  for k, g in enumerate(nm.nodes) for i in range(len(g), nm.lmax)]
+        b.step(*_copies(TMP, TMP, sorted(moves, key=lambda mv: mv[1]), n))
+        src = (TMP, b.alloc_tmp(blk))
+        _phase(b, "reduce_scatter", INTER, pl.leaders, pl.k, blk, 0, (TMP, padded), src)
+    _phase(b, "scatter", INTRA, pl.node, pl.i, n, pl.lead, src, (OUT, 0))
+
+
+def _gather(b: ScheduleBuilder, pl: _Place, n: int) -> None:
+    nm = pl.nm
+    blk = nm.lmax * n
+    if not pl.is_leader:
+        _phase(b, "gather", INTRA, pl.node, pl.i, n, pl.lead, (IN, 0), (OUT, 0))   # out: scratch
+        return
+    mine = (TMP, b.alloc_tmp(blk))
+    _phase(b, "gather", INTRA, pl.node, pl.i, n, pl.lead, (IN, 0), mine)
+    direct = pl.is_root and nm.blocked
+    every = (OUT, 0) if direct else (TMP, b.alloc_tmp(nm.m * blk))
+    _phase(b, "gather", INTER, pl.leaders, pl.k, blk, pl.root_node, mine, every)
+    if pl.is_root and not direct:
+        b.step(*_copies(TMP, OUT, sorted((every[1] + s, d) for d, s in _node_blocks(nm, n)), n))
+
+
+def _scatter(b: ScheduleBuilder, pl: _Place, n: int) -> None:
+    nm = pl.nm
+    blk = nm.lmax * n
+    src = (IN, 0)   # on non-roots never read
+    if pl.is_leader:
+        if pl.is_root and not nm.blocked:
+            src = (TMP, b.alloc_tmp(nm.m * blk))
+            b.step(*_copies(IN, TMP, ((s, src[1] + d) for s, d in _node_blocks(nm, n)), n))
+        mine = (TMP, b.alloc_tmp(blk))
+        _phase(b, "scatter", INTER, pl.leaders, pl.k, blk, pl.root_node, src, mine)
+        src = mine
+    _phase(b, "scatter", INTRA, pl.node, pl.i, n, pl.lead, src, (OUT, 0))
+
+
+def _alltoall(b: ScheduleBuilder, pl: _Place, n: int) -> None:
+    nm, p, lmax = pl.nm, len(pl.nm.node_of), pl.nm.lmax
+    L = len(pl.node)
+    rows = (TMP, b.alloc_tmp(L * p * n))   # member i's whole input at rows + i*p*n
+    _phase(b, "gather", INTRA, pl.node, pl.i, p * n, pl.lead, (IN, 0), rows)
+    src = (IN, 0)   # not read
+    if pl.is_leader:
+        pair = lmax * lmax * n   # what one node sends another: [dest member][source member]
+        send, recv = b.alloc_tmp(nm.m * pair), b.alloc_tmp(nm.m * pair)
+        b.step(*_copies(TMP, TMP, (
+            (rows[1] + (i * p + d) * n, send + j * pair + (di * lmax + i) * n)
+            for j, dg in enumerate(nm.nodes) for di, d in enumerate(dg) for i in range(L)), n))
+        _phase(b, "alltoall", INTER, pl.leaders, pl.k, pair, 0, (TMP, send), (TMP, recv))
+        src = (TMP, b.alloc_tmp(L * p * n))   # member di's output at src + di*p*n
+        b.step(*_copies(TMP, TMP, (
+            (recv + k * pair + (di * lmax + i) * n, src[1] + (di * p + s) * n)
+            for di in range(L) for k, sg in enumerate(nm.nodes) for i, s in enumerate(sg)), n))
+    _phase(b, "scatter", INTRA, pl.node, pl.i, p * n, pl.lead, src, (OUT, 0))
+
+
+def _barrier(b: ScheduleBuilder, pl: _Place, n: int) -> None:
+    _phase(b, "gather", INTRA, pl.node, pl.i, 0, 0, (IN, 0), (OUT, 0))
+    if pl.is_leader:
+        _phase(b, "barrier", INTER, pl.leaders, pl.k, 0, 0, (IN, 0), (OUT, 0))
+    _phase(b, "broadcast", INTRA, pl.node, pl.i, 0, 0, (IN, 0), (OUT, 0))
+
+
+_BUILDERS = {"broadcast": _broadcast, "reduce": _reduce, "allreduce": _allreduce,
+             "allgather": _allgather, "reduce_scatter": _reduce_scatter, "gather": _gather,
+             "scatter": _scatter, "alltoall": _alltoall, "barrier": _barrier}

@@ -1,0 +1,201 @@
+"""Hierarchical family: symbolic verification over node maps, step counts, negative controls."""
+import random
+from dataclasses import replace
+
+import pytest
+
+from minicomm.algorithms import build_all, build_schedule
+from minicomm.algorithms.hier import INTER, INTRA, node_map
+from minicomm.schedule import COLLECTIVES, ROOTED, Copy
+from minicomm.verifier import VerificationError, verify
+
+
+def topologies(p):
+    """Node maps: one node, two blocks, uneven blocks with arbitrary labels, one rank per node,
+    round-robin (non-contiguous; equal nodes when the modulus divides p), and a shuffled uneven
+    map."""
+    sizes, uneven, k = (3, 1, 2), [], 0
+    while len(uneven) < p:
+        uneven += [10 * (5 - k)] * sizes[k % 3]   # descending labels: node ids are just names
+        k += 1
+    uneven = uneven[:p]
+    shuffled = uneven[:]
+    random.Random(p).shuffle(shuffled)
+    maps = [(0,) * p, tuple(r * 2 // p for r in range(p)), tuple(uneven),
+            tuple(range(p - 1, -1, -1)), tuple(r % 2 for r in range(p)),
+            tuple(r % 3 for r in range(p)), tuple(shuffled)]
+    return list(dict.fromkeys(maps))
+
+
+def counts(p, coll):
+    return [0] if coll == "barrier" else [0, 1, 3, p + 1, 2 * p + 3]
+
+
+def check(coll, p, topo, roots, ns):
+    for n in ns:
+        for root in roots:
+            try:
+                verify(build_all(coll, "hier", p, n, root, topo))
+            except VerificationError as e:
+                raise AssertionError(f"{coll} p={p} n={n} root={root} topology={topo}: {e}") from e
+
+
+@pytest.mark.parametrize("coll", COLLECTIVES)
+@pytest.mark.parametrize("p", range(1, 13))
+def test_verified_every_map_root_count(coll, p):
+    roots = range(p) if coll in ROOTED else [0]
+    for topo in topologies(p):
+        check(coll, p, topo, roots, counts(p, coll))
+
+
+@pytest.mark.parametrize("coll", COLLECTIVES)
+@pytest.mark.parametrize("p", range(13, 21))
+def test_verified_large_worlds(coll, p):
+    # Every root on the two maps with most structure (uneven blocks, shuffled); fewer counts.
+    maps = topologies(p)
+    roots = range(p) if coll in ROOTED else [0]
+    for topo in (maps[2], maps[-1]):
+        check(coll, p, topo, roots, counts(p, coll)[2:4])
+    for topo in maps:
+        check(coll, p, topo, [0, p - 1] if coll in ROOTED else [0], counts(p, coll)[-1:])
+
+
+def test_node_map_structure():
+    nm = node_map((7, 3, 3, 7, 1))
+    assert nm.nodes == ((0, 3), (1, 2), (4,))
+    assert (nm.lmax, nm.equal, nm.blocked, nm.cyclic) == (2, False, False, False)
+    assert node_map((0, 0, 1, 1)).blocked and node_map((0, 1, 0, 1)).cyclic
+    assert not node_map((0, 1, 1, 0)).blocked and not node_map((0, 1, 1, 0)).cyclic
+
+
+def test_degenerate_maps_are_the_flat_schedules():
+    for coll in COLLECTIVES:
+        for topo, fam in (((0,) * 6, INTRA), ((5, 4, 3, 2, 1, 0), INTER)):
+            for r in range(6):
+                hier = build_schedule(coll, "hier", r, 6, 7, 2, topo)
+                flat = build_schedule(coll, fam, r, 6, 7, 2)
+                assert hier.algorithm == "hier" and hier.steps == flat.steps
+
+
+def test_topology_length_mismatch_is_an_error():
+    with pytest.raises(ValueError):
+        build_schedule("allreduce", "hier", 0, 4, 3, 0, (0, 0, 1))
+
+
+# ---------------------------------------------------------------- step counts
+def phases(coll, rank, p, n, root, topo):
+    """The flat phases rank takes part in: (collective, family, group, count, group root), worked
+    out here from the documented design, independently of hier.py's code."""
+    groups = {}
+    for r, node in enumerate(topo):
+        groups.setdefault(node, []).append(r)
+    nodes = list(groups.values())
+    if len(nodes) in (1, p):
+        return [(coll, INTRA if len(nodes) == 1 else INTER, list(range(p)), n, root)]
+    mine = next(g for g in nodes if rank in g)
+    rooted = coll in ROOTED
+    leaders = [root if rooted and root in g else g[0] for g in nodes]
+    lead = leaders[nodes.index(mine)]
+    top = leaders.index(root) if rooted else 0   # the root's node among the leaders
+    i, lmax, m = mine.index(rank), max(map(len, nodes)), len(nodes)
+    equal = all(len(g) == lmax for g in nodes)
+    shard = [g[i] for g in nodes] if equal else None   # ranks of my local index, one per node
+    intra = lambda c, cnt: (c, INTRA, mine, cnt, mine.index(lead))
+    inter = lambda c, cnt: (c, INTER, leaders, cnt, top)
+    on_leader = lambda *ph: list(ph) if rank == lead else []
+    if coll == "broadcast":
+        return on_leader(inter("broadcast", n)) + [intra("broadcast", n)]
+    if coll == "reduce":
+        return [intra("reduce", n)] + on_leader(inter("reduce", n))
+    if coll == "allreduce" and equal:
+        c = -(-n // lmax)
+        return [intra("reduce_scatter", c), ("allreduce", INTER, shard, max(0, min(c, n - i * c)), 0),
+                intra("allgather", c)]
+    if coll == "allreduce":
+        return [intra("reduce", n)] + on_leader(inter("allreduce", n)) + [intra("broadcast", n)]
+    if coll == "allgather":
+        return [intra("gather", n)] + on_leader(inter("allgather", lmax * n)) + \
+            [intra("broadcast", p * n)]
+    if coll == "reduce_scatter" and equal:
+        return [intra("reduce_scatter", m * n), ("reduce_scatter", INTER, shard, n, 0)]
+    if coll == "reduce_scatter":
+        return [intra("reduce", p * n)] + on_leader(inter("reduce_scatter", lmax * n)) + \
+            [intra("scatter", n)]
+    if coll == "gather":
+        return [intra("gather", n)] + on_leader(inter("gather", lmax * n))
+    if coll == "scatter":
+        return on_leader(inter("scatter", lmax * n)) + [intra("scatter", n)]
+    if coll == "alltoall":
+        return [intra("gather", p * n)] + on_leader(inter("alltoall", lmax * lmax * n)) + \
+            [intra("scatter", p * n)]
+    return [intra("gather", 0)] + on_leader(inter("barrier", 0)) + [intra("broadcast", 0)]
+
+
+STEP_CASES = [(6, (0, 0, 0, 1, 1, 1)), (8, (0, 0, 1, 1, 2, 2, 3, 3)), (5, (0, 0, 0, 1, 1)),
+              (4, (0, 1, 1, 1)), (9, (2, 0, 1, 2, 0, 1, 2, 0, 1)), (7, (0, 1, 1, 0, 2, 1, 0)),
+              (6, (0, 1, 2, 3, 4, 4)), (12, tuple(r // 4 for r in range(12)))]
+
+
+@pytest.mark.parametrize("p,topo", STEP_CASES)
+@pytest.mark.parametrize("coll", COLLECTIVES)
+def test_steps_are_the_sum_of_the_phases(coll, p, topo):
+    for n in (0, 5, 2000):
+        for root in (range(p) if coll in ROOTED else [0]):
+            scheds = build_all(coll, "hier", p, n, root, topo)
+            want = []
+            for r in range(p):
+                subs = [build_schedule(c, fam, group.index(r), len(group), cnt, groot)
+                        for c, fam, group, cnt, groot in phases(coll, r, p, n, root, topo)]
+                want.append(sum(s.comm_steps for s in subs))
+            assert [s.comm_steps for s in scheds] == want, (coll, p, n, root, topo)
+
+
+def test_step_count_closed_forms():
+    def steps(coll, p, n, topo, root=0):
+        return max(s.comm_steps for s in build_all(coll, "hier", p, n, root, topo))
+
+    assert (INTRA, INTER) == ("ring", "rhd")   # the formulas below are for this pairing
+    for L, m in ((2, 2), (3, 4), (4, 2), (2, 8)):
+        p, lg = L * m, m.bit_length() - 1        # m is a power of two
+        blocks = tuple(r // L for r in range(p))
+        # ring reduce-scatter L-1, rhd recursive-doubling allreduce lg m, ring allgather L-1
+        assert steps("allreduce", p, 8 * L, blocks) == 2 * (L - 1) + lg
+        # ring reduce 2(L-1), then Rabenseifner reduce 2 lg m among the leaders
+        assert steps("reduce", p, 8, blocks) == 2 * (L - 1) + 2 * lg
+        # ring gather L-1, rhd gather lg m
+        assert steps("gather", p, 3, blocks) == (L - 1) + lg
+        # ring gather L-1, pairwise alltoall m-1 among leaders, ring scatter L-1
+        assert steps("alltoall", p, 2, blocks) == 2 * (L - 1) + (m - 1)
+        # ring reduce-scatter L-1 of node segments, recursive halving lg m
+        assert steps("reduce_scatter", p, 2, blocks) == (L - 1) + lg
+
+
+# ---------------------------------------------------------------- negative controls
+def test_dropped_inter_step_is_rejected():
+    topo = (0, 0, 1, 1, 1, 2)
+    scheds = build_all("allreduce", "hier", 6, 5, 0, topo)
+    leader = scheds[2]
+    inter = [k for k, st in enumerate(leader.steps) if any(getattr(o, "peer", 2) in (0, 5)
+                                                             for o in st)]
+    broken = replace(leader, steps=[st for k, st in enumerate(leader.steps) if k != inter[0]])
+    with pytest.raises(VerificationError):
+        verify(scheds[:2] + [broken] + scheds[3:])
+
+
+def test_wrong_permutation_offset_is_rejected():
+    topo = (0, 1, 0, 1)   # round-robin nodes: the root must put node blocks back in rank order
+    scheds = build_all("gather", "hier", 4, 2, 0, topo)
+    root = scheds[0]
+    last = root.steps[-1]
+    assert all(isinstance(o, Copy) for o in last)
+    bad = tuple(replace(o, dst_offset=o.dst_offset + 1) if k == 0 else o
+                for k, o in enumerate(last))
+    with pytest.raises(VerificationError):
+        verify([replace(root, steps=root.steps[:-1] + [bad])] + scheds[1:])
+
+
+def test_ranks_disagreeing_on_the_node_map_are_rejected():
+    a = build_all("allgather", "hier", 6, 3, 0, (0, 0, 0, 1, 1, 1))
+    b = build_all("allgather", "hier", 6, 3, 0, (0, 0, 1, 1, 2, 2))
+    with pytest.raises(VerificationError):
+        verify(a[:3] + b[3:])
