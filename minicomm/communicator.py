@@ -402,7 +402,7 @@ class Communicator:
 
     # ------------------------------------------------------------------ point to point
     def _p2p_tag(self, seq: int, tag: int, nbytes: int) -> Tag:
-        return Tag(self.comm_id | _P2P_CONTEXT, seq, tag, pack_call("p2p", "none", "none", None, -1),
+        return Tag(self.comm_id | _P2P_CONTEXT, seq, tag, pack_call("p2p", "none", "none", None, tag),
                    nbytes)
 
     def send(self, x, dst: int, tag: int = 0) -> None:

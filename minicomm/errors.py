@@ -57,6 +57,8 @@ def describe_call(tag) -> str:
     dname = next((np.dtype(t).name for t in np.sctypeDict.values()
                   if np.dtype(t).num == dnum), f"dtype#{dnum}")
     root = (c >> 21) - 1
+    if coll == "p2p":
+        return f"send/recv with tag {root} of {tag.count} bytes"
     parts = [coll]
     if op != "none":
         parts.append(f"op={op}")

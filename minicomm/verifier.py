@@ -112,8 +112,7 @@ def verify(schedules: Sequence[Schedule], *, topology=None) -> Dict[str, int]:
                     sends[(s.rank, o.peer)].append((i, o))
                 elif isinstance(o, Recv):
                     recvs[(o.peer, s.rank)].append((i, o))
-    partner: Dict[Tuple[int, int, int], Tuple[int, int]] = {}   # (rank, step, op id) -> (peer, step)
-    source_of: Dict[Tuple[int, int, int], Tuple[int, int, int]] = {}   # recv -> its send
+    pair_of: Dict[Tuple[int, int, int], Tuple[int, int, int]] = {}  # (rank, step, id(op)) both ways
     for pair in set(sends) | set(recvs):
         sl, rl = sends.get(pair, []), recvs.get(pair, [])
         if len(sl) != len(rl):
@@ -122,9 +121,8 @@ def verify(schedules: Sequence[Schedule], *, topology=None) -> Dict[str, int]:
             if so.count != ro.count:
                 raise VerificationError(f"send {pair[0]}->{pair[1]} step {si} has {so.count} "
                                         f"elements, matching recv step {ri} expects {ro.count}")
-            partner[(pair[0], si, id(so))] = (pair[1], ri)
-            partner[(pair[1], ri, id(ro))] = (pair[0], si)
-            source_of[(pair[1], ri, id(ro))] = (pair[0], si, id(so))
+            pair_of[(pair[0], si, id(so))] = (pair[1], ri, id(ro))
+            pair_of[(pair[1], ri, id(ro))] = (pair[0], si, id(so))
 
     undefined = (UNDEFINED, 0)
     state: List[Dict[str, list]] = []
@@ -137,74 +135,102 @@ def verify(schedules: Sequence[Schedule], *, topology=None) -> Dict[str, int]:
         state.append(bufs)
     knows = [1 << r for r in range(p)]   # barrier knowledge: who is known to have entered
 
-    # Per rank and step, precomputed once: local ops, (send, key), (recv, key of its send), and
-    # the (peer, peer step) pairs the step waits for.
+    # Every communication op gets an integer id; per op: (rank, step, op, partner id).
+    ids: Dict[Tuple[int, int, int], int] = {}
+    ops_tab: List[list] = []
     plan = []
     for s in schedules:
         r = s.rank
         steps = []
         for i, step in enumerate(s.steps):
             local = [o for o in step if isinstance(o, (Copy, Reduce))]
-            snd = [(o, (r, i, id(o))) for o in step if isinstance(o, Send)]
-            rcv = [(o, source_of[(r, i, id(o))]) for o in step if isinstance(o, Recv)]
-            waits = [partner[(r, i, id(o))] for o in step if isinstance(o, (Send, Recv))]
-            steps.append((local, snd, rcv, waits))
+            comm = []
+            for o in step:
+                if isinstance(o, (Send, Recv)):
+                    k = len(ops_tab)
+                    ids[(r, i, id(o))] = k
+                    ops_tab.append([r, i, o, None])
+                    comm.append(k)
+            steps.append((local, comm))
         plan.append(steps)
+    for entry in ops_tab:
+        r, i, o, _ = entry
+        entry[3] = ids[pair_of[(r, i, id(o))]]
+    done = bytearray(len(ops_tab))
 
     pc = [0] * p
+    left = [0] * p                 # communication ops of the current step not yet complete
+    entry_knows = list(knows)      # what a rank knew when it entered its current step
 
     def enter(r):   # run the local ops of the steps rank r enters, skipping purely local steps
         steps = plan[r]
+        st = state[r]
         while pc[r] < len(steps):
-            local, snd, rcv, waits = steps[pc[r]]
-            st = state[r]
+            local, comm = steps[pc[r]]
             for o in local:
                 if isinstance(o, Copy):
                     st[o.dst][o.dst_offset:o.dst_offset + o.count] = \
                         st[o.src][o.src_offset:o.src_offset + o.count]
                 else:
                     _reduce_into(st[o.dst], o.dst_offset, st[o.src], o.src_offset, o.count)
-            if waits:
+            entry_knows[r] = knows[r]
+            if comm:
+                left[r] = len(comm)
                 return
             pc[r] += 1
 
     for r in range(p):
         enter(r)
+    # Rendezvous: a Send/Recv pair completes as soon as both ranks are in the steps holding it
+    # (whatever else those steps still wait for); a rank leaves a step when all its pairs are done.
+    # The sender's region cannot change during its step (same-step overlap is banned), so reading
+    # it at completion time equals reading it when the send was posted.
     rounds = 0
     candidates = set(range(p))
     while candidates:
-        ready = [r for r in sorted(candidates) if pc[r] < len(plan[r])
-                 and all(pc[q] == t for q, t in plan[r][pc[r]][3])]
-        if not ready:
+        advanced = []
+        for r in candidates:
+            if pc[r] >= len(plan[r]):
+                continue
+            for k in plan[r][pc[r]][1]:
+                if done[k]:
+                    continue
+                _, _, o, kp = ops_tab[k]
+                q, t, po, _ = ops_tab[kp]
+                if pc[q] != t:
+                    continue
+                snd, rcv, sr, rr = (po, o, q, r) if isinstance(o, Recv) else (o, po, r, q)
+                data = state[sr][snd.buf][snd.offset:snd.offset + snd.count]
+                knows[rr] |= entry_knows[sr]
+                dst = state[rr][rcv.buf]
+                if rcv.reduce:
+                    _reduce_into(dst, rcv.offset, data, 0, rcv.count)
+                else:
+                    dst[rcv.offset:rcv.offset + rcv.count] = data
+                done[k] = done[kp] = 1
+                left[r] -= 1
+                left[q] -= 1
+                if left[q] == 0:
+                    advanced.append(q)
+            if left[r] == 0:
+                advanced.append(r)
+        if not advanced:
             break
         rounds += 1
-        # Payloads are read before any receive of this round lands (same-step overlap is banned).
-        payload = {}
-        for r in ready:
-            st = state[r]
-            for o, key in plan[r][pc[r]][1]:
-                payload[key] = (st[o.buf][o.offset:o.offset + o.count], knows[r])
-        for r in ready:
-            st = state[r]
-            for o, src in plan[r][pc[r]][2]:
-                data, k = payload[src]
-                knows[r] |= k
-                if o.reduce:
-                    _reduce_into(st[o.buf], o.offset, data, 0, o.count)
-                else:
-                    st[o.buf][o.offset:o.offset + o.count] = data
         candidates = set()
-        for r in ready:
-            pc[r] += 1
-            enter(r)
-            candidates.add(r)
-            if pc[r] < len(plan[r]):
-                candidates.update(q for q, _ in plan[r][pc[r]][3])
+        for r in set(advanced):
+            if pc[r] < len(plan[r]) and left[r] == 0:
+                pc[r] += 1
+                enter(r)
+                candidates.add(r)
+                if pc[r] < len(plan[r]):
+                    candidates.update(ops_tab[ops_tab[k][3]][0] for k in plan[r][pc[r]][1])
 
     stuck = [r for r in range(p) if pc[r] < len(plan[r])]
     if stuck:
         r = stuck[0]
-        waits = [(q, t, pc[q]) for q, t in plan[r][pc[r]][3] if pc[q] != t]
+        waits = [(ops_tab[ops_tab[k][3]][0], ops_tab[ops_tab[k][3]][1], pc[ops_tab[ops_tab[k][3]][0]])
+                 for k in plan[r][pc[r]][1] if not done[k]]
         raise VerificationError(
             f"deadlock under rendezvous sends: ranks {stuck} cannot finish; rank {r} is stuck in "
             f"step {pc[r]} waiting for (peer, peer's matching step, step the peer is in) {waits[:3]}")

@@ -39,7 +39,7 @@ class Tag(NamedTuple):
     op, algorithm, dtype, root; element count) so a receiver detects mismatched calls."""
     comm: int      # communicator id
     seq: int       # call sequence number on that communicator
-    step: int      # schedule step index (or user tag for point-to-point)
+    step: int      # the sender's schedule step (informational), or the user tag for p2p
     call: int      # packed call signature, see minicomm.errors.describe_call
     count: int     # per-rank element count of the call
 
@@ -83,7 +83,10 @@ def remaining(deadline: float) -> float:
 
 def check_tag(peer: int, expected: Tag, got: Tag, exp_nbytes: int, got_nbytes: int) -> None:
     """Raise MismatchError when an arriving message does not belong to the call we are in."""
-    if got == expected and exp_nbytes == got_nbytes:
+    # ``step`` is the sender's own step index (for error messages): FIFO matching pairs messages,
+    # and a sender's and receiver's step indices legitimately differ (trees, folds).
+    if (got.comm == expected.comm and got.seq == expected.seq and got.call == expected.call
+            and got.count == expected.count and exp_nbytes == got_nbytes):
         return
     from minicomm.errors import MismatchError, describe_call
     if got.comm != expected.comm or got.seq != expected.seq:
@@ -95,5 +98,5 @@ def check_tag(peer: int, expected: Tag, got: Tag, exp_nbytes: int, got_nbytes: i
             f"rank {peer} called {describe_call(got)} while this rank called "
             f"{describe_call(expected)} (call #{expected.seq})")
     raise MismatchError(
-        f"message from rank {peer} for call #{expected.seq} step {got.step} has {got_nbytes} bytes, "
-        f"expected step {expected.step} with {exp_nbytes} bytes ({describe_call(expected)})")
+        f"message from rank {peer} (its step {got.step}) for call #{expected.seq} has {got_nbytes} "
+        f"bytes, step {expected.step} here expects {exp_nbytes} bytes ({describe_call(expected)})")
