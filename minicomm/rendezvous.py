@@ -1,0 +1,455 @@
+"""Bootstrap: job-token authentication, a small TCP key-value store, and peer-link setup.
+
+Authentication. Every connection minicomm opens (store, tcp data links, shm doorbell links) starts
+with a mutual HMAC-SHA256 challenge-response over the per-job random token (``MINICOMM_JOB_TOKEN``,
+hex). Each side sends a fresh 32-byte nonce and proves knowledge of the token with
+``HMAC(token, role || nonce_server || nonce_client)``; binding both nonces and the role into each MAC
+rules out replay and reflection. Messages have fixed sizes, so an unauthenticated peer can make the
+server read at most 64 bytes and allocate nothing; the store never unpickles anything (its protocol
+is plain length-prefixed bytes) and the transports read no payload before the handshake succeeds.
+
+Store. ``StoreServer`` serves set / blocking get / atomic add over one connection per client, one
+thread per connection, so a stray or stuck client never delays the others. ``StoreClient`` is
+thread-safe (one request at a time on its socket).
+
+Peer links. ``dial_peer`` and ``accept_peers`` build the authenticated full mesh that shm and tcp
+use: the higher rank dials the lower one, authenticates, and both sides exchange ranks. Incoming
+handshakes run on short-lived threads, so a stray connection that never speaks cannot stall the
+job's setup; it is dropped when its handshake times out.
+"""
+from __future__ import annotations
+
+import hmac
+import os
+import queue
+import secrets
+import selectors
+import socket
+import struct
+import threading
+import time
+from hashlib import sha256
+from typing import Dict, Iterable, Optional, Tuple
+
+from .errors import CommError, CommTimeout, PeerFailure
+
+_MAGIC = b"minicomm-auth-v1"          # 16 bytes: also rejects clients speaking another protocol
+_NONCE = 32
+_MAC = 32
+HANDSHAKE_TIMEOUT = 10.0              # per connection; a silent stray is dropped after this
+
+
+class AuthError(CommError):
+    """The other side of a connection does not hold this job's token."""
+
+
+def new_token() -> bytes:
+    return secrets.token_bytes(32)
+
+
+def token_from_env() -> Optional[bytes]:
+    value = os.environ.get("MINICOMM_JOB_TOKEN")
+    return bytes.fromhex(value) if value else None
+
+
+def _mac(token: bytes, role: bytes, ns: bytes, nc: bytes) -> bytes:
+    return hmac.new(token, role + ns + nc, sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CommTimeout(f"{what}: timed out")
+        sock.settimeout(left)
+        try:
+            k = sock.recv_into(view[got:])
+        except socket.timeout:
+            raise CommTimeout(f"{what}: timed out") from None
+        if k == 0:
+            raise PeerFailure(f"{what}: connection closed by the other side")
+        got += k
+    return bytes(buf)
+
+
+def _send_all(sock: socket.socket, data: bytes, deadline: float, what: str) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise CommTimeout(f"{what}: timed out")
+    sock.settimeout(left)
+    try:
+        sock.sendall(data)
+    except socket.timeout:
+        raise CommTimeout(f"{what}: timed out") from None
+
+
+def authenticate_server(sock: socket.socket, token: bytes, timeout: float) -> None:
+    """Server side of the handshake; raises AuthError (caller closes the socket) unless the client
+    proves it holds ``token``. Leaves the socket in blocking mode with no timeout."""
+    deadline = time.monotonic() + timeout
+    ns = secrets.token_bytes(_NONCE)
+    try:
+        _send_all(sock, _MAGIC + ns, deadline, "authentication")
+        reply = _recv_exact(sock, _NONCE + _MAC, deadline, "authentication")
+    except (PeerFailure, CommTimeout, OSError) as e:
+        raise AuthError(f"client did not complete authentication: {e}") from None
+    nc, mac = reply[:_NONCE], reply[_NONCE:]
+    if not hmac.compare_digest(mac, _mac(token, b"client", ns, nc)):
+        raise AuthError("client failed authentication (wrong job token)")
+    _send_all(sock, _mac(token, b"server", ns, nc), deadline, "authentication")
+    sock.settimeout(None)
+
+
+def authenticate_client(sock: socket.socket, token: bytes, timeout: float) -> None:
+    """Client side of the handshake: proves we hold ``token`` and checks the server does too."""
+    deadline = time.monotonic() + timeout
+    hello = _recv_exact(sock, len(_MAGIC) + _NONCE, deadline, "authentication")
+    if hello[:len(_MAGIC)] != _MAGIC:
+        raise AuthError("the server does not speak the minicomm protocol")
+    ns = hello[len(_MAGIC):]
+    nc = secrets.token_bytes(_NONCE)
+    _send_all(sock, nc + _mac(token, b"client", ns, nc), deadline, "authentication")
+    try:
+        mac = _recv_exact(sock, _MAC, deadline, "authentication")
+    except PeerFailure:
+        raise AuthError("the server refused our job token") from None
+    if not hmac.compare_digest(mac, _mac(token, b"server", ns, nc)):
+        raise AuthError("the server failed authentication (it does not hold the job token)")
+    sock.settimeout(None)
+
+
+# ------------------------------------------------------------------------------------ store
+_OP_SET, _OP_GET, _OP_ADD = 1, 2, 3
+_ST_OK, _ST_TIMEOUT, _ST_ERROR = 0, 1, 2
+_REQ = struct.Struct("!BIQ")          # op, key length, value length
+_RESP = struct.Struct("!BQ")          # status, payload length
+_MAX_KEY = 4096
+_MAX_VALUE = 1 << 30
+
+
+class StoreServer:
+    """Key-value store of one job, served from daemon threads of this process."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: bytes = b""):
+        if not token:
+            raise ValueError("StoreServer needs the job token (bytes)")
+        self._token = token
+        self._data: Dict[str, bytes] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+        self._conns = set()
+        self._threads = set()
+        self._listener = socket.create_server((host, port), family=_family(host), backlog=128,
+                                              reuse_port=False)
+        self.host = host
+        self.port = self._listener.getsockname()[1]
+        # close() wakes the accept loop through this pair instead of a polling timeout.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                        name=f"minicomm-store:{self.port}")
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._listener, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        try:
+            while not self._closed:
+                for key, _ in sel.select():
+                    if key.fileobj is self._wake_r or self._closed:
+                        return
+                    try:
+                        conn, _ = self._listener.accept()
+                    except OSError:
+                        continue
+                    t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                         name=f"minicomm-store:{self.port}-conn")
+                    with self._cond:
+                        self._conns.add(conn)
+                        self._threads.add(t)
+                    t.start()
+        finally:
+            sel.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            authenticate_server(conn, self._token, HANDSHAKE_TIMEOUT)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while not self._closed:
+                head = _recv_or_eof(conn, _REQ.size)
+                if head is None:
+                    return
+                op, klen, vlen = _REQ.unpack(head)
+                if klen > _MAX_KEY or vlen > _MAX_VALUE:
+                    return            # a client that breaks the protocol loses its connection
+                key = _recv_or_eof(conn, klen)
+                value = _recv_or_eof(conn, vlen) if vlen else b""
+                if key is None or value is None:
+                    return
+                status, payload = self._handle(op, key.decode(), value)
+                conn.sendall(_RESP.pack(status, len(payload)) + payload)
+        except (AuthError, OSError, UnicodeDecodeError, struct.error):
+            pass                      # refused or gone: the other clients are unaffected
+        finally:
+            with self._cond:
+                self._conns.discard(conn)
+                self._threads.discard(threading.current_thread())
+            conn.close()
+
+    def _handle(self, op: int, key: str, value: bytes) -> Tuple[int, bytes]:
+        with self._cond:
+            if op == _OP_SET:
+                self._data[key] = value
+                self._cond.notify_all()
+                return _ST_OK, b""
+            if op == _OP_ADD:
+                total = int.from_bytes(self._data.get(key, b"\0" * 8), "big", signed=True)
+                total += struct.unpack("!q", value)[0]
+                self._data[key] = total.to_bytes(8, "big", signed=True)
+                self._cond.notify_all()
+                return _ST_OK, self._data[key]
+            if op == _OP_GET:
+                timeout = struct.unpack("!d", value)[0]
+                found = self._cond.wait_for(lambda: key in self._data or self._closed, timeout)
+                if self._closed:
+                    return _ST_ERROR, b"store is shutting down"
+                return (_ST_OK, self._data[key]) if found else (_ST_TIMEOUT, b"")
+        return _ST_ERROR, f"unknown store op {op}".encode()
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+            conns, threads = list(self._conns), list(self._threads)
+        self._wake_w.send(b"x")
+        self._thread.join(5.0)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)      # wakes a handler blocked in recv
+            except OSError:
+                pass
+        for t in threads:
+            t.join(5.0)
+        self._listener.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _recv_or_eof(conn: socket.socket, n: int) -> Optional[bytes]:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = conn.recv_into(view[got:])
+        if k == 0:
+            return None
+        got += k
+    return bytes(buf)
+
+
+def _family(host: str) -> int:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+class StoreClient:
+    """Client of a ``StoreServer``; ``timeout`` bounds connecting and is the default for ``get``."""
+
+    def __init__(self, host: str, port: int, token: bytes, timeout: float = 300.0):
+        self.host, self.port, self.timeout = host, port, float(timeout)
+        self.token = token
+        self._lock = threading.Lock()
+        deadline = time.monotonic() + self.timeout
+        self._sock = _connect_with_retry((host, port), deadline, f"rendezvous store {host}:{port}")
+        try:
+            authenticate_client(self._sock, token, max(0.0, deadline - time.monotonic()))
+        except BaseException:
+            self._sock.close()
+            raise
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def local_address(self) -> str:
+        """The address this host uses to reach the store: a peer-reachable address to advertise."""
+        return self._sock.getsockname()[0]
+
+    def _call(self, op: int, key: str, value: bytes, wait: float) -> Tuple[int, bytes]:
+        k = key.encode()
+        if len(k) > _MAX_KEY:
+            raise ValueError(f"store key longer than {_MAX_KEY} bytes: {key[:40]!r}...")
+        with self._lock:
+            if self._sock is None:
+                raise CommError("store client is closed")
+            deadline = time.monotonic() + wait
+            what = f"rendezvous store {self.host}:{self.port} ({key!r})"
+            try:
+                _send_all(self._sock, _REQ.pack(op, len(k), len(value)) + k + value, deadline, what)
+                status, n = _RESP.unpack(_recv_exact(self._sock, _RESP.size, deadline, what))
+                payload = _recv_exact(self._sock, n, deadline, what) if n else b""
+            except OSError as e:
+                raise PeerFailure(f"{what}: connection lost: {e}") from None
+        if status == _ST_ERROR:
+            raise CommError(f"{what}: {payload.decode(errors='replace')}")
+        return status, payload
+
+    def set(self, key: str, value: bytes) -> None:
+        self._call(_OP_SET, key, bytes(value), self.timeout)
+
+    def get(self, key: str, timeout: Optional[float] = None) -> bytes:
+        """The value of ``key``, waiting until some client sets it; CommTimeout after ``timeout``."""
+        wait = self.timeout if timeout is None else float(timeout)
+        # The server answers "timeout" itself; the socket deadline only guards a dead server.
+        status, payload = self._call(_OP_GET, key, struct.pack("!d", wait), wait + 10.0)
+        if status == _ST_TIMEOUT:
+            raise CommTimeout(f"rendezvous store: key {key!r} was not set within {wait:g}s "
+                              f"(has every rank started?)")
+        return payload
+
+    def add(self, key: str, delta: int = 1) -> int:
+        """Atomically add ``delta`` to the counter ``key`` (0 when new); returns the new value."""
+        _, payload = self._call(_OP_ADD, key, struct.pack("!q", delta), self.timeout)
+        return int.from_bytes(payload, "big", signed=True)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _connect_with_retry(addr, deadline: float, what: str) -> socket.socket:
+    """Connect, retrying while nothing listens yet: under ``mc.init`` rank 0 hosts the store and
+    may start after the others. There is no kernel object to wait on for "a remote port starts
+    listening", so this backs off exponentially (10 ms .. 0.5 s) until the deadline."""
+    delay = 0.01
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CommTimeout(f"{what}: could not connect before the deadline")
+        try:
+            return socket.create_connection(addr, timeout=left)
+        except (ConnectionRefusedError, ConnectionResetError):
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.5)
+        except socket.timeout:
+            raise CommTimeout(f"{what}: connect timed out") from None
+
+
+# -------------------------------------------------------------------------------- peer links
+_RANK = struct.Struct("!q")
+
+
+def dial_peer(family: int, address, token: bytes, my_rank: int, peer: int,
+              deadline: float) -> socket.socket:
+    """Connect to ``peer``'s listener, authenticate, exchange ranks; returns a blocking socket."""
+    what = f"rank {my_rank}: connecting to rank {peer}"
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise CommTimeout(f"{what}: timed out")
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(left)
+        try:
+            sock.connect(address)
+        except socket.timeout:
+            raise CommTimeout(f"{what}: connect timed out") from None
+        except OSError as e:
+            raise PeerFailure(f"{what} at {address!r}: {e}") from None
+        authenticate_client(sock, token, max(0.0, min(HANDSHAKE_TIMEOUT,
+                                                       deadline - time.monotonic())))
+        _send_all(sock, _RANK.pack(my_rank), deadline, what)
+        (theirs,) = _RANK.unpack(_recv_exact(sock, _RANK.size, deadline, what))
+        if theirs != peer:
+            raise CommError(f"{what}: the listener at {address!r} is rank {theirs}")
+        sock.settimeout(None)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+def accept_peers(listener: socket.socket, token: bytes, my_rank: int, expected: Iterable[int],
+                 deadline: float) -> Dict[int, socket.socket]:
+    """Accept one authenticated connection from each rank in ``expected``; refuse everything else.
+
+    Each incoming connection is authenticated on its own thread, so a slow or silent stray cannot
+    hold up the real peers; refused connections are closed without reading anything more."""
+    expected = set(expected)
+    got: Dict[int, socket.socket] = {}
+    if not expected:
+        return got
+    results: "queue.Queue[Tuple[int, socket.socket]]" = queue.Queue()
+    wake_r, wake_w = socket.socketpair()
+    sel = selectors.DefaultSelector()
+    listener.setblocking(False)
+    sel.register(listener, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+
+    def handshake(conn: socket.socket) -> None:
+        try:
+            conn.setblocking(True)
+            authenticate_server(conn, token, max(0.1, min(HANDSHAKE_TIMEOUT,
+                                                          deadline - time.monotonic())))
+            hs_deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+            (rank,) = _RANK.unpack(_recv_exact(conn, _RANK.size, hs_deadline, "peer rank"))
+            _send_all(conn, _RANK.pack(my_rank), hs_deadline, "peer rank")
+            conn.settimeout(None)
+        except (CommError, OSError):
+            conn.close()
+            return
+        results.put((rank, conn))
+        try:
+            wake_w.send(b"x")
+        except OSError:               # accept_peers already returned: it no longer listens
+            pass
+
+    try:
+        while len(got) < len(expected):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(expected - set(got))
+                raise CommTimeout(f"rank {my_rank}: ranks {missing} did not connect before the "
+                                  f"deadline (setup)")
+            for key, _ in sel.select(left):
+                if key.fileobj is listener:
+                    try:
+                        conn, _ = listener.accept()
+                    except BlockingIOError:
+                        continue
+                    threading.Thread(target=handshake, args=(conn,), daemon=True,
+                                     name=f"minicomm-handshake-r{my_rank}").start()
+                else:
+                    wake_r.recv(4096)
+            while True:
+                try:
+                    rank, conn = results.get_nowait()
+                except queue.Empty:
+                    break
+                if rank in expected and rank not in got:
+                    got[rank] = conn
+                else:                 # authenticated but unexpected (duplicate): not ours to use
+                    conn.close()
+    except BaseException:
+        for s in got.values():
+            s.close()
+        raise
+    finally:
+        sel.close()
+        wake_r.close()
+        wake_w.close()
+    return got

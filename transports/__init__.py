@@ -1,0 +1,127 @@
+"""minicomm.transports: byte movers, chosen per peer.
+
+``connect`` builds the transport of one rank. ``kind`` forces one transport for every peer, or
+``"auto"`` takes, per peer, the first transport that can reach it: shm for a peer on the same node
+(same node id in ``node_of_rank``), tcp for the others. A rank that needs more than one kind gets a
+``RoutedTransport``: it dispatches each request to its peer's transport, and its ``wait_all``
+progresses all of them in one loop over one shared epoll set (progress.py), so a hierarchical
+algorithm's intra-node and inter-node messages move at the same time.
+
+Adding a transport (inproc, rdma, ub): give it a builder in ``_BUILDERS`` and, to take part in
+``"auto"``, a reachability rule in ``_AUTO_ORDER``; to be routed with others it implements the
+engine interface of progress.py (``progress()``, ``check(req, what)``) on a shared ``Progress``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, List, Sequence
+
+from .base import Request, Tag, Transport
+from .progress import Progress
+
+
+def _build_shm(rank, size, store, job_id, token, peers, deadline, bind_host, progress):
+    from .shm import ShmTransport
+    return ShmTransport(rank, size, store, job_id, peers, _left(deadline), token=token,
+                        progress=progress)
+
+
+def _build_tcp(rank, size, store, job_id, token, peers, deadline, bind_host, progress):
+    from .tcp import TcpTransport
+    return TcpTransport(rank, size, store, token, peers, bind_host, _left(deadline),
+                        progress=progress)
+
+
+# kind -> builder. The lead registers "inproc", "rdma" and "ub" here.
+_BUILDERS: Dict[str, Callable[..., Transport]] = {"shm": _build_shm, "tcp": _build_tcp}
+
+# "auto": the first kind whose rule accepts (my node, peer's node) carries that peer.
+_AUTO_ORDER = (("shm", lambda mine, theirs: mine == theirs),
+               ("tcp", lambda mine, theirs: True))
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+def connect(kind: str, rank: int, size: int, store, job_id: str, token: bytes,
+            node_of_rank: Sequence, timeout: float, bind_host: str = "127.0.0.1") -> Transport:
+    """The transport of ``rank``: ``kind`` is "auto", or one of ``_BUILDERS`` for every peer."""
+    nodes = list(node_of_rank)
+    if len(nodes) != size:
+        raise ValueError(f"node_of_rank has {len(nodes)} entries for a world of {size}")
+    peers = [r for r in range(size) if r != rank]
+    if kind == "auto":
+        routes: Dict[str, List[int]] = {}
+        for r in peers:
+            k = next(k for k, reaches in _AUTO_ORDER if reaches(nodes[rank], nodes[r]))
+            routes.setdefault(k, []).append(r)
+    elif kind in _BUILDERS:
+        if kind == "shm" and any(nodes[r] != nodes[rank] for r in peers):
+            others = [r for r in peers if nodes[r] != nodes[rank]]
+            raise ValueError(f"transport 'shm' cannot reach ranks {others} on other nodes; "
+                             f"use 'auto' or 'tcp'")
+        routes = {kind: peers}
+    else:
+        raise ValueError(f"unknown transport {kind!r}: choose auto, {', '.join(_BUILDERS)}")
+    if not routes:                   # a world of one
+        routes = {"tcp" if kind == "tcp" else "shm": []}
+
+    deadline = time.monotonic() + timeout
+    progress = Progress()
+    built: Dict[str, Transport] = {}
+    try:
+        # Every rank builds its kinds in the same order, so setups that wait on each other
+        # through the store never wait in a cycle.
+        for k in _BUILDERS:
+            if k in routes:
+                built[k] = _BUILDERS[k](rank, size, store, job_id, token, routes[k], deadline,
+                                        bind_host, progress)
+    except BaseException:
+        for t in built.values():
+            t.close()
+        raise
+    if len(built) == 1:
+        return next(iter(built.values()))
+    return RoutedTransport(rank, size, built, routes, progress)
+
+
+class RoutedTransport(Transport):
+    """Per-peer dispatch over several transports sharing one ``Progress``."""
+
+    def __init__(self, rank: int, size: int, transports: Dict[str, Transport],
+                 routes: Dict[str, List[int]], progress: Progress):
+        self.rank, self.size = rank, size
+        self.name = "+".join(transports)
+        self._transports = transports
+        self._routes = routes
+        self._progress = progress
+        self._by_peer: Dict[int, Transport] = {p: transports[k] for k, ps in routes.items()
+                                               for p in ps}
+
+    def _route(self, peer: int) -> Transport:
+        try:
+            return self._by_peer[peer]
+        except KeyError:
+            raise ValueError(f"rank {self.rank}: no route to rank {peer}") from None
+
+    def isend(self, peer: int, buf, tag: Tag) -> Request:
+        return self._route(peer).isend(peer, buf, tag)
+
+    def irecv(self, peer: int, buf, tag: Tag, reduce=None) -> Request:
+        return self._route(peer).irecv(peer, buf, tag, reduce)
+
+    def wait_all(self, requests: List[Request], deadline: float, what: str) -> None:
+        self._progress.wait(requests, deadline, what)
+
+    def describe(self) -> str:
+        return f"rank {self.rank}: " + ", ".join(f"{k} to {self._routes[k]}"
+                                                 for k in self._transports)
+
+    def abort(self, reason: str) -> None:
+        for t in self._transports.values():
+            t.abort(reason)
+
+    def close(self) -> None:
+        for t in self._transports.values():
+            t.close()

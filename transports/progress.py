@@ -1,0 +1,296 @@
+"""The progress engine shared by the shm and tcp transports (and by ``RoutedTransport``).
+
+Progress model. Transports do no work in the background: every byte moves inside a call, from
+``isend`` / ``irecv`` (an eager first attempt) or ``wait_all``. ``wait_all`` advances *every*
+posted request of every engine attached to this ``Progress``, not only the caller's: one rank's
+ring step sends and receives at once, the messages of one communicator never wait behind another's
+unprogressed ones, and a routed rank drives shm and tcp peers in the same loop.
+
+Waiting. After a pass that moved nothing, the caller spins briefly (``os.sched_yield`` between
+passes, so ranks sharing a core hand it over), then blocks in ``epoll_wait`` on every engine's file
+descriptors until the deadline. Before blocking it tells the engines (``sleep(True)``: shm raises
+a flag its peers read before deciding to ring a doorbell), issues a full fence, and makes one
+last pass: what arrived before the flag was visible is found by that pass, what arrives after it
+rings. All descriptors are edge-triggered: an edge means "something changed, look again"; engines
+keep their own readable/writable hints and drain what they read. shm doorbells and tcp sockets
+both report a dead peer as EOF/HUP, so death is noticed while blocked, without polling.
+
+Threads. Communicators run async work on their own threads, all sharing one transport. Engine
+state is guarded by one lock; only one thread at a time blocks in ``epoll_wait`` (the poller), the
+others wait on a condition that every productive pass and every poller wake-up notifies. Blocking
+always happens outside the lock, so a poller never stops another thread from posting.
+"""
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+from collections import deque
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from minicomm.errors import CommError, CommTimeout, PeerFailure, describe_call
+from .base import ReduceFn, Request, Tag, check_tag
+
+EDGE = select.EPOLLIN | select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
+SPIN_S = 50e-6                        # spin about one blocking wake-up's cost, then sleep
+
+_fence_lock = threading.Lock()
+
+
+def fence() -> None:
+    """A full memory barrier: acquiring and releasing a lock executes locked read-modify-write
+    instructions (``lock cmpxchg`` / ``lock xadd`` on x86-64), which order every earlier store
+    before every later load. Used for the store-flag / load-other-side's-word handshakes (Dekker)
+    that decide whether a peer needs a doorbell; plain stores and loads cannot do that."""
+    _fence_lock.acquire()
+    _fence_lock.release()
+
+
+
+class Req(Request):
+    """A request of the shm / tcp engines: the base fields plus a byte view and a cursor."""
+    __slots__ = ("engine", "u8", "nbytes", "off", "hdr")
+
+    def __init__(self, engine, peer: int, buf: np.ndarray, tag: Tag,
+                 reduce: Optional[ReduceFn], is_send: bool):
+        super().__init__(peer, buf, tag, reduce, is_send)
+        if not buf.flags.c_contiguous:
+            raise ValueError("transport buffers must be contiguous")
+        self.engine = engine
+        self.u8 = buf.reshape(-1).view(np.uint8)   # the bytes this request moves, no copy
+        self.nbytes = buf.nbytes
+        self.off = 0                               # bytes moved so far
+        self.hdr = None                            # engine-specific (tcp: the framed header)
+
+
+class Unexpected:
+    """A message that arrived before its receive was posted and had to be moved out of the way
+    (it blocked a message for another communicator). ``claim`` is the receive that matched it
+    while it was still arriving."""
+    __slots__ = ("tag", "nbytes", "data", "off", "claim")
+
+    def __init__(self, tag: Tag, nbytes: int):
+        self.tag, self.nbytes = tag, nbytes
+        self.data = np.empty(nbytes, dtype=np.uint8)
+        self.off = 0
+        self.claim: Optional[Req] = None
+
+    # Unexpected and Req share the fill interface used by the engines' receive paths.
+    @property
+    def u8(self):
+        return self.data
+
+    reduce = None
+
+
+class Inbox:
+    """Receive-side matching for one peer: posted receives and unexpected messages, FIFO per
+    communicator (``tag.comm``), so communicators never steal each other's messages."""
+    __slots__ = ("peer", "posted", "unexpected", "n_posted", "error")
+
+    def __init__(self, peer: int):
+        self.peer = peer
+        self.posted: Dict[int, deque] = {}
+        self.unexpected: Dict[int, deque] = {}
+        self.n_posted = 0
+        self.error: Optional[BaseException] = None   # a mismatch poisons the stream for good
+
+    def post(self, req: Req) -> None:
+        """Match ``req`` against an unexpected message of its communicator, or queue it."""
+        q = self.unexpected.get(req.tag.comm)
+        if q:
+            u = q.popleft()
+            if u.off == u.nbytes:
+                self.deliver_unexpected(u, req)
+            else:
+                u.claim = req         # still arriving: handed over when complete
+            return
+        self.posted.setdefault(req.tag.comm, deque()).append(req)
+        self.n_posted += 1
+
+    def match(self, tag: Tag, nbytes: int):
+        """Target for a message whose header just arrived: the oldest receive posted for its
+        communicator, an ``Unexpected`` if it blocks receives of other communicators, or None
+        (leave it where it is until its receive is posted: no copy)."""
+        q = self.posted.get(tag.comm)
+        if q:
+            req = q.popleft()
+            self.n_posted -= 1
+            try:
+                check_tag(self.peer, req.tag, tag, req.nbytes, nbytes)
+            except CommError as e:
+                self.error = e
+                return None
+            return req
+        if self.n_posted:
+            u = Unexpected(tag, nbytes)
+            self.unexpected.setdefault(tag.comm, deque()).append(u)
+            return u
+        return None
+
+    def complete(self, target) -> None:
+        if isinstance(target, Unexpected):
+            if target.claim is not None:
+                self.deliver_unexpected(target, target.claim)
+        else:
+            target.done = True
+
+    def deliver_unexpected(self, u: Unexpected, req: Req) -> None:
+        try:
+            check_tag(self.peer, req.tag, u.tag, req.nbytes, u.nbytes)
+        except CommError as e:
+            self.error = e
+            return
+        if req.reduce is not None:
+            req.reduce(req.buf.reshape(-1), u.data.view(req.buf.dtype))
+        else:
+            req.u8[:] = u.data
+        req.done = True
+
+
+def deliver(target, off: int, src_u8: np.ndarray) -> None:
+    """Copy or reduce the bytes ``src_u8`` (landing memory) into ``target`` at byte ``off``.
+    For reduce, ``off`` and ``len(src_u8)`` are whole elements (transports chunk accordingly)."""
+    n = src_u8.shape[0]
+    if target.reduce is None:
+        target.u8[off:off + n] = src_u8
+    else:
+        isz = target.buf.itemsize
+        dst = target.buf.reshape(-1)[off // isz:(off + n) // isz]
+        target.reduce(dst, src_u8.view(target.buf.dtype))
+
+
+class Progress:
+    """One epoll set, one lock, and the wait loop for a group of engines (see module doc)."""
+
+    def __init__(self):
+        self.ep = select.epoll()
+        self.lock = threading.Lock()
+        self.cv = threading.Condition(self.lock)
+        self.engines: List = []
+        self.spin = False             # spin before blocking: some engine polls memory
+        self._handlers: Dict[int, Callable[[int], None]] = {}
+        self._polling = False
+        self._closed = False
+
+    def attach(self, engine, spin: bool) -> None:
+        with self.lock:
+            self.engines.append(engine)
+            self.spin = self.spin or spin
+
+    def register(self, fd: int, handler: Callable[[int], None]) -> None:
+        """``handler(events)`` runs under the lock after ``epoll_wait`` reports ``fd``."""
+        self._handlers[fd] = handler
+        self.ep.register(fd, EDGE)
+
+    def unregister(self, fd: int) -> None:
+        if self._handlers.pop(fd, None) is not None:
+            try:
+                self.ep.unregister(fd)
+            except (OSError, ValueError):
+                pass
+
+    def detach(self, engine) -> None:
+        with self.lock:
+            if engine in self.engines:
+                self.engines.remove(engine)
+            if not self.engines and not self._closed:
+                self._closed = True
+                self.ep.close()
+            self.cv.notify_all()
+
+    def _pass(self) -> bool:
+        moved = False
+        for e in self.engines:
+            if e.progress():
+                moved = True
+        return moved
+
+    def wait(self, reqs: List[Req], deadline: float, what: str) -> None:
+        started = spin_until = time.monotonic()
+        if self.spin:
+            spin_until += SPIN_S
+        lock = self.lock
+        while True:
+            lock.acquire()
+            try:
+                moved = self._pass()
+                if moved:
+                    self.cv.notify_all()          # another thread's requests may be done
+                pending = None
+                for r in reqs:
+                    if not r.done:
+                        pending = r
+                        break
+                if pending is None:
+                    return
+                for r in reqs:
+                    if not r.done:
+                        r.engine.check(r, what)   # raises PeerFailure / MismatchError
+                now = time.monotonic()
+                left = deadline - now
+                if left <= 0:
+                    raise _timeout(pending, reqs, what, now - started)
+                if self._closed:
+                    raise CommError(f"{what}: transport is closed")
+                if moved:
+                    spin_until = now + SPIN_S if self.spin else now
+                    continue
+                if now < spin_until:
+                    block = False
+                elif self._polling:
+                    self.cv.wait(left)            # the poller notifies after every wake-up
+                    continue
+                else:
+                    for e in self.engines:
+                        e.sleep(True)
+                    fence()
+                    if self._pass():              # arrived before our flag was visible
+                        for e in self.engines:
+                            e.sleep(False)
+                        self.cv.notify_all()
+                        continue
+                    self._polling = True
+                    block = True
+            finally:
+                lock.release()
+            if not block:
+                os.sched_yield()
+                continue
+            events = ()
+            try:
+                events = self.ep.poll(left)
+            except (OSError, ValueError):         # closed by another thread: next pass raises
+                pass
+            finally:
+                with lock:
+                    self._polling = False
+                    for e in self.engines:
+                        e.sleep(False)
+                    for fd, ev in events:
+                        h = self._handlers.get(fd)
+                        if h is not None:
+                            h(ev)
+                    self.cv.notify_all()
+            # after a wake-up, spin again: the next message often follows closely
+            spin_until = time.monotonic() + SPIN_S if self.spin else 0.0
+
+
+def _timeout(pending: Req, reqs: List[Req], what: str, waited: float) -> CommTimeout:
+    n = sum(1 for r in reqs if not r.done)
+    t = pending.tag
+    direction = (f"send {pending.nbytes} bytes to" if pending.is_send
+                 else f"receive {pending.nbytes} bytes from")
+    return CommTimeout(
+        f"{what}: rank {pending.engine.rank} timed out after {waited:.1f}s at step {t.step} of "
+        f"call #{t.seq} ({describe_call(t)}) waiting to {direction} rank {pending.peer} over "
+        f"{pending.engine.name} ({n} of {len(reqs)} requests of this wait still pending)")
+
+
+def peer_failure(engine, req: Req, what: str, reason: str) -> PeerFailure:
+    direction = "sending to" if req.is_send else "receiving from"
+    return PeerFailure(f"{what}: rank {engine.rank} {direction} rank {req.peer} over "
+                       f"{engine.name} at step {req.tag.step} of call #{req.tag.seq}: {reason}")
