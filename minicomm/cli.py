@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="prove every algorithm correct and deadlock-free")
     v.add_argument("--max-world", type=int, default=64)
-    v.add_argument("--all-roots", action="store_true", help="every root at every world size")
+    v.add_argument("--exhaustive", dest="all_roots", action="store_true",
+                   help="every root, count and node map at every world size (slow)")
     v.add_argument("--jobs", type=int, default=0, help="processes (default: all cores)")
     v.add_argument("--collective", action="append", help="restrict to these (repeatable)")
     v.add_argument("--algorithm", action="append", help="restrict to these families (repeatable)")

@@ -287,25 +287,33 @@ def _ranks(mask: int) -> List[int]:
 
 
 # ------------------------------------------------------------------ the whole matrix (CLI)
-def topologies_for(p: int):
-    """Node maps the hier family is verified on: one node, two nodes, and uneven nodes."""
-    maps = {(0,) * p}
-    if p >= 2:
-        maps.add(tuple(r * 2 // p for r in range(p)))                   # two (near-)equal blocks
+EXHAUSTIVE_UP_TO = 16    # world sizes verified with every root, count and node map
+
+
+def topologies_for(p: int, exhaustive: bool = False):
+    """Node maps hier is verified on: one node, two equal nodes, uneven nodes (p-1 and 1, and
+    2,2,rest), one rank per node; above EXHAUSTIVE_UP_TO the two equal and the 2,2,rest maps."""
+    two = tuple(r * 2 // p for r in range(p))
+    uneven = tuple(min(r // 2, 2) for r in range(p))
+    if p > EXHAUSTIVE_UP_TO and not exhaustive:
+        return sorted({two, uneven})
+    maps = {(0,) * p, two, uneven, tuple(range(p))}
     if p >= 3:
-        maps.add(tuple(0 if r < p - 1 else 1 for r in range(p)))          # uneven: p-1 and 1
-        maps.add(tuple(min(r // 2, 2) for r in range(p)) if p >= 5 else tuple(range(p)))
+        maps.add(tuple(0 if r < p - 1 else 1 for r in range(p)))
     return sorted(maps)
 
 
-def roots_for(p: int, all_roots: bool):
-    if all_roots or p <= 16:
+def roots_for(p: int, exhaustive: bool = False):
+    if exhaustive or p <= EXHAUSTIVE_UP_TO:
         return range(p)
-    return sorted({0, 1, p // 2, p - 1})
+    return sorted({0, p // 2, p - 1})
 
 
-def counts_for(p: int):
-    return sorted({0, 1, 5, p + 1})
+def counts_for(p: int, exhaustive: bool = False):
+    """0, 1, a count below p, and one above p not divisible by it (p + 1)."""
+    if exhaustive or p <= EXHAUSTIVE_UP_TO:
+        return sorted({0, 1, 5, p + 1})
+    return [1, p + 1]
 
 
 def verify_cell(args):
@@ -316,8 +324,8 @@ def verify_cell(args):
     coll, fam, p, all_roots = args
     cases = 0
     roots = roots_for(p, all_roots) if coll in ROOTED else [0]
-    topos = topologies_for(p) if fam == "hier" else [None]
-    counts = [0] if coll == "barrier" else counts_for(p)
+    topos = topologies_for(p, all_roots) if fam == "hier" else [None]
+    counts = [0] if coll == "barrier" else counts_for(p, all_roots)
     try:
         for topo in topos:
             for n in counts:
@@ -362,9 +370,13 @@ def run_matrix(max_world: int = 64, all_roots: bool = False, jobs: int = 0, out=
         elif cell[2] is None:
             cell[2] = err
     width = 16
-    print(f"minicomm verify: world sizes 1..{max_world}, every root"
-          f"{'' if all_roots else ' up to p=16 (then 0, 1, p/2, p-1; --all-roots for all)'}, "
-          f"counts {{0, 1, 5, p+1}}, hier on 1, 2 and uneven node maps", file=out)
+    if all_roots:
+        scope = "every root, counts {0, 1, 5, p+1}, hier on 5 node maps, at every size"
+    else:
+        scope = (f"up to p={EXHAUSTIVE_UP_TO}: every root, counts {{0, 1, 5, p+1}}, hier on 1 node, "
+                 f"2 equal, uneven (p-1,1 and 2,2,rest) and 1 rank per node; above: roots "
+                 f"{{0, p/2, p-1}}, counts {{1, p+1}}, 2 node maps (--exhaustive for all)")
+    print(f"minicomm verify: world sizes 1..{max_world}; {scope}", file=out)
     print("collective".ljust(16) + "".join(f.ljust(width) for f in fams), file=out)
     ok_cells = 0
     for c in colls:
