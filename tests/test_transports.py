@@ -207,14 +207,18 @@ def sc_mismatch(t, rank, size, store):
             out["timeout"] = [str(e), time.monotonic() - t0]
         store.set("timed-out", b"1")
         t.wait_all([t.isend(1, np.zeros(10), Tag(1, 5, 2, ALLREDUCE, 10))], dl, "send")
-        store.get("checked")          # keep our end open until rank 1 has looked
+        t0 = time.monotonic()
+        try:                          # rank 1 aborts: we learn it now, not at our deadline
+            t.wait_all([t.irecv(1, np.empty(10), Tag(1, 6, 0, ALLREDUCE, 10))], dl, "next")
+        except PeerFailure as e:
+            out["abort"] = [str(e), time.monotonic() - t0]
     else:
         store.get("timed-out")
         try:
             t.wait_all([t.irecv(0, np.empty(12), Tag(1, 5, 2, ALLREDUCE, 12))], dl, "allreduce #5")
         except MismatchError as e:
             out["mismatch"] = str(e)
-        store.set("checked", b"1")
+            t.abort(f"MismatchError: {e}")    # what the communicator does
     return out
 
 
@@ -244,6 +248,18 @@ def sc_exchange(t, rank, size, store):
                 t.isend(right, np.arange(100) * rank, Tag(1, 0, 0, 0, 100))],
                time.monotonic() + SETUP, "exchange")
     return bool((got == np.arange(100) * left).all())
+
+
+def sc_small_steps(t, rank, size, store):
+    right, left = (rank + 1) % size, (rank - 1) % size
+    a, b = np.full(1, float(rank)), np.zeros(1)
+    dl = time.monotonic() + SETUP
+    t0 = time.perf_counter()
+    for i in range(1000):
+        tag = Tag(1, i, 0, 0, 1)
+        t.wait_all([t.irecv(left, b, tag), t.isend(right, a, tag)], dl, "small step")
+    assert b[0] == left
+    return (time.perf_counter() - t0) / 1000
 
 
 def sc_hold(t, rank, size, store):
@@ -315,6 +331,16 @@ def test_full_duplex_ring_64mib(kind, no_leftovers):
     print(f"\n{kind}: 64 MiB ring with reduce, per-rank GB/s: {[round(r, 2) for r in rates]}")
 
 
+def test_more_ranks_than_cores_keep_full_speed(no_leftovers):
+    """4 shm ranks on (here) 2 cores: waiting ranks yield and then sleep, so a ring of small
+    steps runs at scheduler speed. A pure busy-spin would burn each time slice (ms per step)."""
+    job = Job("sc_small_steps", 4, "shm")
+    no_leftovers(job)
+    per_step = max(job.run().values())
+    print(f"\n4 shm ranks on {os.cpu_count()} cores: {per_step * 1e6:.0f} us per ring step")
+    assert per_step < 1e-3
+
+
 @pytest.mark.parametrize("kind", ["shm", "tcp"])
 def test_timeout_and_mismatch(kind, no_leftovers):
     job = Job("sc_mismatch", 2, kind)
@@ -325,6 +351,8 @@ def test_timeout_and_mismatch(kind, no_leftovers):
     assert "allreduce #4" in msg and "step 6" in msg and "rank 1" in msg
     assert "rank 0 called allreduce" in r1["mismatch"] and "count=10" in r1["mismatch"]
     assert "count=12" in r1["mismatch"]
+    msg, waited = r0["abort"]
+    assert waited < 5 and "rank 1" in msg and "aborted: MismatchError" in msg, msg
 
 
 @pytest.mark.parametrize("kind", ["shm", "tcp"])

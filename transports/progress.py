@@ -15,6 +15,11 @@ rings. All descriptors are edge-triggered: an edge means "something changed, loo
 keep their own readable/writable hints and drain what they read. shm doorbells and tcp sockets
 both report a dead peer as EOF/HUP, so death is noticed while blocked, without polling.
 
+Engines implement ``progress() -> bool`` (one non-blocking pass over their posted work; True if
+anything moved), ``check(req, what)`` (raise if ``req`` can never complete: its peer failed, its
+stream mismatched), ``sleep(flag)``, and carry ``rank`` and ``name``. They register their file
+descriptors with ``register(fd, handler)``; handlers run under the lock.
+
 Threads. Communicators run async work on their own threads, all sharing one transport. Engine
 state is guarded by one lock; only one thread at a time blocks in ``epoll_wait`` (the poller), the
 others wait on a condition that every productive pass and every poller wake-up notifies. Blocking
@@ -49,7 +54,6 @@ def fence() -> None:
     _fence_lock.release()
 
 
-
 class Req(Request):
     """A request of the shm / tcp engines: the base fields plus a byte view and a cursor."""
     __slots__ = ("engine", "u8", "nbytes", "off", "hdr")
@@ -69,21 +73,15 @@ class Req(Request):
 class Unexpected:
     """A message that arrived before its receive was posted and had to be moved out of the way
     (it blocked a message for another communicator). ``claim`` is the receive that matched it
-    while it was still arriving."""
-    __slots__ = ("tag", "nbytes", "data", "off", "claim")
+    while it was still arriving. Engines fill it like a plain receive (``u8``, ``off``)."""
+    __slots__ = ("tag", "nbytes", "u8", "off", "reduce", "claim")
 
     def __init__(self, tag: Tag, nbytes: int):
         self.tag, self.nbytes = tag, nbytes
-        self.data = np.empty(nbytes, dtype=np.uint8)
+        self.u8 = np.empty(nbytes, dtype=np.uint8)
         self.off = 0
+        self.reduce = None
         self.claim: Optional[Req] = None
-
-    # Unexpected and Req share the fill interface used by the engines' receive paths.
-    @property
-    def u8(self):
-        return self.data
-
-    reduce = None
 
 
 class Inbox:
@@ -145,9 +143,9 @@ class Inbox:
             self.error = e
             return
         if req.reduce is not None:
-            req.reduce(req.buf.reshape(-1), u.data.view(req.buf.dtype))
+            req.reduce(req.buf.reshape(-1), u.u8.view(req.buf.dtype))
         else:
-            req.u8[:] = u.data
+            req.u8[:] = u.u8
         req.done = True
 
 

@@ -59,14 +59,17 @@ HDR = 64                              # record header: 8 int64
 CHUNK = 1 << 20                       # streaming unit of large messages
 EARLY_RING = 64 << 10                 # ring the doorbell at once after a record this large
 _MAGIC = b"MCSHM\x00\x01\x00"
-_HDR = struct.Struct("@8q")           # native: aligned whole-word stores and loads (see doc)
+_HDR = struct.Struct("@8q")           # record header; written before head publishes it
 _SEG = struct.Struct("@8sqqqq")       # magic, owner rank, ring bytes, chunk bytes, number of rings
 _HEAD, _TAIL = 0, 16                  # int64 index in a ring's control page (own cache lines)
 _SLEEPING = 32                        # int64 index in the segment's first page: owner may sleep
 _RANKS_AT = 512                       # byte offset of the senders' ranks, after the flag's line
 _NOWAIT = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+# Fault the pages in at setup, not on the first large transfer.
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 _WAKE = b"\x01"
-_ABORT = b"\x00"
+_ABORT = b"\x00"                      # then the reason, then EOF
+_ABORTED = "it aborted: "
 _JOB_ID = re.compile(r"[A-Za-z0-9_.-]+")
 
 _linked: set = set()                  # segments this process created and has not yet unlinked
@@ -195,7 +198,7 @@ class ShmTransport(Transport):
             except OSError as e:
                 raise CommError(f"shm: cannot reserve {total >> 20} MiB in {SHM_DIR} ({e}); "
                                 f"enlarge /dev/shm or lower MINICOMM_SHM_RING_BYTES") from None
-            self._mm = mmap.mmap(fd, total)
+            self._mm = mmap.mmap(fd, total, flags=_MAP_FLAGS)
         finally:
             os.close(fd)
         _SEG.pack_into(self._mm, 0, _MAGIC, me, ring, chunk, len(peers))
@@ -239,7 +242,7 @@ class ShmTransport(Transport):
         path = segment_path(self.job_id, p.rank)
         fd = os.open(path, os.O_RDWR)
         try:
-            mm = mmap.mmap(fd, 0)
+            mm = mmap.mmap(fd, 0, flags=_MAP_FLAGS)
         finally:
             os.close(fd)
         magic, owner, ring, chunk, n = _SEG.unpack_from(mm, 0)
@@ -294,7 +297,8 @@ class ShmTransport(Transport):
     def progress(self) -> bool:
         """One non-blocking pass over every peer with work (called under the progress lock)."""
         moved = False
-        for p in list(self._active):
+        active = list(self._active)
+        for p in active:
             if p.txq and p.closed is None and self._push(p):
                 moved = True
             if (p.inbox.n_posted or p.rx_cur is not None) and self._pull(p):
@@ -303,7 +307,7 @@ class ShmTransport(Transport):
                 del self._active[p]
         if moved:
             fence()                   # our head/tail stores before reading their flags
-            for p in self._peers.values():
+            for p in active:
                 if p.owed:
                     self._ring_if_sleeping(p)
         return moved
@@ -422,11 +426,10 @@ class ShmTransport(Transport):
                 p.closed = p.closed or "it closed its shm link (exited or crashed)"
                 self._progress.unregister(p.fd)
                 return
-            i = data.find(_ABORT)
-            if i >= 0 or (p.closed or "").startswith("it aborted"):
-                reason = data[i + 1:] if i >= 0 else data
-                prev = p.closed[len("it aborted: "):] if p.closed else ""
-                p.closed = "it aborted: " + prev + reason.decode(errors="replace")
+            if p.closed is not None and p.closed.startswith(_ABORTED):
+                p.closed += data.decode(errors="replace")     # the reason, continued
+            elif _ABORT in data:
+                p.closed = _ABORTED + data[data.index(_ABORT) + 1:].decode(errors="replace")
 
     def check(self, req: Req, what: str) -> None:
         p = self._peers[req.peer]
