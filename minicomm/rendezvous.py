@@ -452,4 +452,9 @@ def accept_peers(listener: socket.socket, token: bytes, my_rank: int, expected: 
         sel.close()
         wake_r.close()
         wake_w.close()
+        while True:                   # authenticated after we stopped looking: not ours
+            try:
+                results.get_nowait()[1].close()
+            except queue.Empty:
+                break
     return got
