@@ -409,7 +409,7 @@ class Communicator:
         arr, flat = self._flat_in(x)
         dst = self._check_root(dst, "send")
         header = np.zeros(_P2P_HEADER, dtype=np.uint8)
-        desc = f"{arr.dtype.str}|{','.join(map(str, arr.shape))}".encode()
+        desc = f"{arr.dtype.str};{','.join(map(str, arr.shape))}".encode()
         if len(desc) > _P2P_HEADER:
             raise ValueError(f"send: array of {arr.ndim} dimensions is too many")
         header[:len(desc)] = np.frombuffer(desc, dtype=np.uint8)
@@ -437,7 +437,7 @@ class Communicator:
             self.transport.wait_all(
                 [self.transport.irecv(peer, header, self._p2p_tag(seq, tag, _P2P_HEADER))],
                 self._deadline(), what)
-            dstr, _, shp = header.tobytes().rstrip(b"\0").decode().partition("|")
+            dstr, _, shp = header.tobytes().rstrip(b"\0").decode().partition(";")
             shape = tuple(int(s) for s in shp.split(",") if s)
             res, flat = self._make_out(out, shape, np.dtype(dstr), "recv")
             self.transport.wait_all(

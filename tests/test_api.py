@@ -1,0 +1,203 @@
+"""The public API contract (DESIGN.md) on inproc ranks: errors, out=, async, p2p, objects, split."""
+import os
+
+import numpy as np
+import pytest
+
+import minicomm as mc
+
+
+def spawn(fn, p=3, **kw):
+    return mc.spawn(fn, p, transport="inproc", timeout=30, **kw)
+
+
+@pytest.mark.parametrize("what", ["shape", "dtype", "root", "op", "algorithm", "collective"])
+def test_mismatched_calls_raise_mismatch_error_on_every_rank(what):
+    def fn(comm):
+        r = comm.rank
+        x = np.ones(4, dtype=np.float32)
+        try:
+            if what == "shape":
+                comm.allreduce(np.ones(4 + (r == 1)))
+            elif what == "dtype":
+                comm.allreduce(x.astype(np.float64) if r == 2 else x)
+            elif what == "root":
+                comm.broadcast(x, root=r % 2)
+            elif what == "op":
+                comm.allreduce(x, op="max" if r == 0 else "sum")
+            elif what == "algorithm":
+                comm.allreduce(x, algorithm="ring" if r == 0 else "tree")
+            else:
+                comm.allgather(x) if r == 0 else comm.allreduce(x)
+        except mc.MismatchError as e:
+            return str(e)
+        return None
+    msgs = spawn(fn, 3)
+    assert all(m is not None and "rank" in m for m in msgs), msgs
+
+
+def test_communicator_usable_after_a_detected_mismatch():
+    def fn(comm):
+        with pytest.raises(mc.MismatchError):
+            comm.allreduce(np.ones(comm.rank + 1))
+        return comm.allreduce(np.ones(2)).tolist()
+    assert spawn(fn) == [[3.0, 3.0]] * 3
+
+
+def test_type_errors_for_meaningless_ops():
+    def fn(comm):
+        with pytest.raises(TypeError):
+            comm.allreduce(np.ones(3), op="bxor")
+        with pytest.raises(TypeError):
+            comm.allreduce(np.ones(3, dtype=np.int32), op="avg")
+        with pytest.raises(ValueError):
+            comm.allreduce(np.ones(3), op="median")
+        with pytest.raises(ValueError):
+            comm.allreduce(np.ones(3), algorithm="butterfly")
+        with pytest.raises(ValueError):
+            comm.broadcast(np.ones(3), root=comm.size)
+        with pytest.raises(ValueError):
+            comm.reduce_scatter(np.ones((comm.size + 1, 2)))
+        with pytest.raises(ValueError):
+            comm.allreduce(np.ones(3), out=np.empty(4))
+        return True
+    assert all(spawn(fn))
+
+
+def test_avg_and_ops_as_constants():
+    def fn(comm):
+        a = comm.allreduce(np.full(3, float(comm.rank)), op=mc.AVG)
+        m = comm.allreduce(np.array([comm.rank, -comm.rank]), op=mc.MAX)
+        return a.tolist(), m.tolist()
+    res = spawn(fn, 4)
+    assert res[0] == ([1.5] * 3, [3, 0])
+
+
+def test_out_in_place_and_returned():
+    def fn(comm):
+        x = np.arange(6, dtype=np.int64) + comm.rank
+        y = comm.allreduce(x, out=x)
+        assert y is x
+        return x.tolist()
+    assert spawn(fn, 3)[1] == [3 * i + 3 for i in range(6)]
+
+
+def test_async_work_overlaps_and_keeps_order():
+    def fn(comm):
+        works = [comm.allreduce(np.full(1000, i + comm.rank, dtype=np.float64), async_op=True)
+                 for i in range(5)]
+        b = comm.broadcast(np.array([comm.rank]), root=1)     # sync call after async ones
+        res = [w.wait(timeout=20)[0] for w in works]
+        assert all(w.is_completed() for w in works)
+        return res, int(b[0])
+    res, b = spawn(fn, 3)[0]
+    assert res == [3 * i + 3 for i in range(5)] and b == 1
+
+
+def test_send_recv_learn_shape_and_dtype():
+    def fn(comm):
+        if comm.rank == 0:
+            comm.send(np.arange(12, dtype=np.int16).reshape(3, 4), dst=1, tag=7)
+            comm.send(np.zeros((0, 2)), dst=1)
+            return None
+        if comm.rank == 1:
+            a = comm.recv(0, tag=7)
+            b = comm.recv(0)
+            return a.dtype.str, a.shape, a.sum(), b.shape
+    assert spawn(fn, 2)[1] == (np.dtype(np.int16).str, (3, 4), 66, (0, 2))
+
+
+def test_recv_with_wrong_tag_is_a_mismatch():
+    def fn(comm):
+        if comm.rank == 0:
+            comm.send(np.ones(2), dst=1, tag=1)
+            return None
+        with pytest.raises(mc.MismatchError, match="tag"):
+            comm.recv(0, tag=2)
+        return True
+    assert spawn(fn, 2)[1]
+
+
+def test_object_collectives():
+    def fn(comm):
+        r = comm.rank
+        b = comm.broadcast_object({"k": [1, 2]} if r == 0 else None, root=0)
+        g = comm.allgather_object(("r", r))
+        ga = comm.gather_object(r * r, root=1)
+        s = comm.scatter_object([f"to{i}" for i in range(comm.size)] if r == 2 else None, root=2)
+        if r == 0:
+            comm.send_object(lambda v: v + 1, 1)
+            f = None
+        elif r == 1:
+            f = comm.recv_object(0)(41)
+        else:
+            f = None
+        return b, g, ga, s, f
+    res = spawn(fn, 3)
+    assert res[0][0] == {"k": [1, 2]}
+    assert res[2][1] == [("r", 0), ("r", 1), ("r", 2)]
+    assert res[1][2] == [0, 1, 4] and res[0][2] is None
+    assert [x[3] for x in res] == ["to0", "to1", "to2"]
+    assert res[1][4] == 42
+
+
+def test_split_follows_mpi_semantics():
+    def fn(comm):
+        sub = comm.split(color=comm.rank % 2, key=-comm.rank)      # reverse order by key
+        none = comm.split(color=None if comm.rank == 0 else 1)
+        total = sub.allreduce(np.array([comm.rank]))[0]
+        both = comm.allreduce(np.array([1]))[0]                      # world still works after
+        return sub.rank, sub.size, int(total), none is None, int(both)
+    res = spawn(fn, 5)
+    assert [r[0] for r in res] == [2, 1, 1, 0, 0]
+    assert [r[2] for r in res] == [6, 4, 6, 4, 6]
+    assert [r[3] for r in res] == [True, False, False, False, False]
+    assert all(r[4] == 5 for r in res)
+
+
+def test_topology_properties_with_emulated_nodes():
+    def fn(comm):
+        return comm.node, comm.num_nodes, comm.local_rank, comm.local_size
+    assert spawn(fn, 5, nodes=2) == [(0, 2, 0, 3), (0, 2, 1, 3), (0, 2, 2, 3), (1, 2, 0, 2), (1, 2, 1, 2)]
+
+
+def test_spawn_error_lists_root_cause_first():
+    def fn(comm):
+        if comm.rank == 2:
+            raise ValueError("boom on two")
+        comm.allreduce(np.ones(3))     # the others wait on rank 2 and lose it
+    with pytest.raises(mc.SpawnError) as ei:
+        spawn(fn, 4)
+    assert ei.value.failures[0][0] == 2
+    assert "boom on two" in str(ei.value).split("\n")[0]
+    assert {r for r, _ in ei.value.failures} == {0, 1, 2, 3}
+
+
+def test_timeout_names_op_step_and_peer():
+    import threading
+    peer_may_leave = threading.Event()     # rank 0 stays alive but silent: a hung peer
+
+    def fn(comm):
+        if comm.rank == 1:
+            with pytest.raises(mc.CommTimeout) as ei:
+                comm.recv(0)
+            peer_may_leave.set()
+            return str(ei.value)
+        assert peer_may_leave.wait(20)
+        return None
+    msg = mc.spawn(fn, 2, transport="inproc", timeout=0.5)[1]
+    assert "recv from rank 0" in msg and "rank 0" in msg
+
+
+def test_minicomm_algo_env_overrides_auto(monkeypatch, capsys):
+    monkeypatch.setenv("MINICOMM_ALGO", "allreduce:tree")
+    monkeypatch.setenv("MINICOMM_DEBUG", "info")
+    mc.spawn(lambda c: c.allreduce(np.ones(4)), 2, transport="inproc")
+    err = capsys.readouterr().err
+    assert "allreduce" in err and "-> tree" in err
+
+
+def test_zero_sized_world_and_singletons():
+    res = mc.spawn(lambda c: (c.allreduce(np.ones(2)).tolist(), c.allgather(np.ones(1)).shape,
+                              c.scatter(np.arange(3).reshape(1, 3)).tolist()), 1, transport="inproc")
+    assert res == [([1.0, 1.0], (1, 1), [0, 1, 2])]
