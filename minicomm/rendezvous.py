@@ -142,8 +142,7 @@ class StoreServer:
         self._closed = False
         self._conns = set()
         self._threads = set()
-        self._listener = socket.create_server((host, port), family=_family(host), backlog=128,
-                                              reuse_port=False)
+        self._listener = socket.create_server((host, port), family=_family(host), backlog=128)
         self.host = host
         self.port = self._listener.getsockname()[1]
         # close() wakes the accept loop through this pair instead of a polling timeout.
@@ -295,7 +294,13 @@ class StoreClient:
                 _send_all(self._sock, _REQ.pack(op, len(k), len(value)) + k + value, deadline, what)
                 status, n = _RESP.unpack(_recv_exact(self._sock, _RESP.size, deadline, what))
                 payload = _recv_exact(self._sock, n, deadline, what) if n else b""
-            except OSError as e:
+            except (OSError, CommError) as e:
+                # The stream may be mid-reply: never reuse it (a late answer would be taken for
+                # the next request's).
+                self._sock.close()
+                self._sock = None
+                if isinstance(e, CommError):
+                    raise
                 raise PeerFailure(f"{what}: connection lost: {e}") from None
         if status == _ST_ERROR:
             raise CommError(f"{what}: {payload.decode(errors='replace')}")
