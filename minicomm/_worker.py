@@ -32,17 +32,21 @@ def _watch_parent(stream) -> None:
 
 
 def main() -> int:
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1)   # `kill -USR1 <pid>` prints where a hung rank is
     stdin = sys.stdin.buffer
     cfg_len, blob_len = struct.unpack("!QQ", _read_exact(stdin, 16))
     import cloudpickle
     cfg = cloudpickle.loads(_read_exact(stdin, cfg_len))
     sys.path[:] = cfg["sys_path"]      # as multiprocessing's spawn does: the parent's modules import
     os.chdir(cfg["cwd"])
+    blob = _read_exact(stdin, blob_len)
     threading.Thread(target=_watch_parent, args=(stdin,), daemon=True).start()
     out_fd = cfg["result_fd"]
     comm = None
     try:
-        fn, args = cloudpickle.loads(_read_exact(stdin, blob_len))
+        fn, args = cloudpickle.loads(blob)
         from minicomm.launch import connect_world
         comm = connect_world(cfg)
         record = ("ok", fn(comm, *args))

@@ -1,0 +1,16 @@
+"""Hello, allreduce: `minicomm run -n 4 examples/hello_allreduce.py` prints one line per rank.
+
+Each rank contributes [rank, rank, rank, rank]; the sum over ranks is 0+1+...+(n-1) everywhere.
+"""
+import numpy as np
+
+import minicomm as mc
+
+comm = mc.init()
+x = np.full(4, comm.rank, dtype=np.int64)
+y = comm.allreduce(x)
+expected = sum(range(comm.size))
+status = "ok" if (y == expected).all() else "WRONG"
+print(f"rank {comm.rank}/{comm.size} on node {comm.node}: allreduce sum = {y.tolist()} "
+      f"(expected {expected}) {status}")
+comm.close()
