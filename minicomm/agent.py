@@ -87,6 +87,7 @@ class Agent:
         self.ending_since: Optional[float] = None  # ranks were told to end at this time
         self.launcher_gone = False
         self.signals: List[int] = []
+        self.interrupted = False                   # a user's signal was relayed: ranks end as they choose
 
     # ---------------------------------------------------------------- output to the launcher
     def _write(self, stream, data: bytes) -> None:
@@ -193,7 +194,7 @@ class Agent:
                            tail=list(r.tail) if code else [])
                 if code and not self.exit_status:
                     self.exit_status = code
-                if code:
+                if code and not self.interrupted:
                     self.end_ranks()           # the job is lost: end this host's other ranks now
 
     # ---------------------------------------------------------------- control from the launcher
@@ -211,6 +212,7 @@ class Agent:
             try:
                 msg = json.loads(line)
                 if msg["cmd"] == "signal":
+                    self.interrupted = True
                     self.signal_ranks(int(msg["sig"]))
                 elif msg["cmd"] == "kill":
                     self.end_ranks()

@@ -111,7 +111,11 @@ def parse_hosts(spec: str, n: Optional[int] = None) -> HostList:
 def parse_hostfile(path: str, n: Optional[int] = None) -> HostList:
     """Lines ``host [slots=N]`` (``host:N`` also works); ``#`` starts a comment."""
     entries = []
-    with open(path) as f:
+    try:
+        f = open(path)
+    except OSError as e:
+        raise LaunchError(f"hostfile: {e}") from e
+    with f:
         for lineno, line in enumerate(f, 1):
             words = line.split("#", 1)[0].split()
             if not words:
@@ -187,7 +191,6 @@ def remote_command(python: str, pythonpath: str, *agent_args: str) -> str:
 class _Host:
     index: int
     name: str
-    slots: int
     first_rank: int
     proc: subprocess.Popen
     started: float
@@ -196,6 +199,7 @@ class _Host:
     early_err: List[bytes] = field(default_factory=list)      # stderr before the agent said hello
     hello: bool = False
     timed_out: bool = False                                   # killed: no hello in time
+    cut_off: bool = False                                     # killed: did not finish in time
     done: Optional[int] = None                                # the agent's final status
     streams_open: int = 2
     finished: bool = False
@@ -252,7 +256,9 @@ class _Launch:
 
     # ---- failures
     def fail(self, failure: _Failure, independent: bool = True) -> None:
-        if self.root is None and self.signal is None:
+        if self.signal is not None:
+            return    # after a relayed signal ranks end as they choose; SIGNAL_GRACE bounds it
+        if self.root is None:
             self.root = failure
             self.say(f"{failure.message}; ending the job on all hosts")
         elif independent and failure is not self.root:
@@ -370,7 +376,8 @@ class _Launch:
                 self.end_job()
             if self.ending_since is not None and now - self.ending_since > self.kill_grace + AGENT_GRACE:
                 for h in self.hosts:
-                    if h.proc.poll() is None:
+                    if h.proc.poll() is None and not h.cut_off:
+                        h.cut_off = True
                         self.say(f"host {h.name}: the agent did not finish; closing its ssh session "
                                  "(the agent ends its ranks when it sees that)")
                         h.proc.kill()
@@ -459,7 +466,7 @@ def run_multihost(hosts: HostList, argv: Sequence[str], env_extra: Optional[Dict
                                         start_new_session=True)
             except OSError as e:
                 raise LaunchError(f"cannot run {ssh!r}: {e}") from e
-            launch.start(_Host(index, name, slots, first, proc, time.monotonic()), job)
+            launch.start(_Host(index, name, first, proc, time.monotonic()), job)
             first += slots
         launch.loop()
         return launch.status()

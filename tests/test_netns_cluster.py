@@ -11,8 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from netns.fixture import (Cluster, ClusterUnavailable, measure_goodput, netns_cluster,  # noqa: E402,F401
-                           reap, require_namespaces)
+pytest.register_assert_rewrite("netns.fixture")
+from netns.fixture import Cluster, ClusterUnavailable, measure_goodput, reap, require_namespaces  # noqa: E402
+
+pytest_plugins = ["netns.fixture"]   # one session cluster, however many modules use it
 
 
 def test_each_host_is_its_own_machine(netns_cluster):

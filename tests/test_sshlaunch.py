@@ -1,6 +1,7 @@
 """The ssh launcher without a cluster: host lists, and whole jobs through tests/fake_ssh
 (which runs the agent on this machine, as sshd would on a host). Needs no root; the real
 multi-host runs are in test_multihost.py."""
+import glob
 import io
 import json
 import os
@@ -113,6 +114,25 @@ def test_failing_rank_ends_the_job(tmp_path):
     assert len(segments) == 4 and not any(os.path.exists(s) for s in segments)
 
 
+def test_rank_ignoring_sigterm_is_killed(tmp_path):
+    body = """
+        import os, signal, sys, time
+        rank = int(os.environ["MINICOMM_RANK"])
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)       # only SIGKILL ends this one
+        print(os.getpid(), flush=True)
+        if rank == 0:
+            time.sleep(0.5)
+            sys.exit(7)
+        time.sleep(60)
+    """
+    rc, out, err, took = _job(tmp_path, body, [("nodeA", 1), ("nodeB", 1)], kill_grace=1.0)
+    assert rc == 7 and "rank 0 (host nodeA, node 0, local rank 0) exited with status 7" in err
+    assert "rank 1" not in err.split("job failed:")[1]     # killed by us: not a cause
+    assert took < 10
+    for line in out.splitlines():
+        assert _gone(int(line.split()[1]))
+
+
 def test_unreachable_host_is_named(tmp_path):
     rc, out, err, took = _job(tmp_path, "import time; time.sleep(60)",
                               [("nodeA", 1), ("unreachable-b", 1)])
@@ -121,8 +141,10 @@ def test_unreachable_host_is_named(tmp_path):
     assert took < 10
 
 
-def test_agent_ends_ranks_when_the_launcher_is_gone(tmp_path):
-    """ssh closing the agent's stdin (launcher SIGKILLed, network gone) ends the ranks."""
+@pytest.mark.parametrize("how", ["stdin closed", "SIGTERM", "SIGINT"])
+def test_agent_ends_its_ranks(tmp_path, how):
+    """ssh closing the agent's stdin (launcher SIGKILLed, network gone), or a signal to the
+    agent itself, ends the ranks and sweeps the job's segments."""
     job_id = "agenttest" + str(os.getpid())
     script = tmp_path / "sleeper.py"
     script.write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(60)\n")
@@ -143,10 +165,13 @@ def test_agent_ends_ranks_when_the_launcher_is_gone(tmp_path):
             if line.startswith(b"["):
                 pids.append(int(line.split()[1]))
         assert len(pids) == 2
-        agent.stdin.close()                                   # the launcher is gone
-        assert agent.wait(timeout=10) == 128 + signal.SIGTERM
+        if how == "stdin closed":
+            agent.stdin.close()
+        else:
+            agent.send_signal(getattr(signal, how))
+        assert agent.wait(timeout=10) == 128 + signal.SIGTERM   # the ranks died of our SIGTERM
         for pid in pids:
-            assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
+            assert _gone(pid)
         assert not os.path.exists(f"/dev/shm/minicomm-{job_id}-x")
     finally:
         if agent.poll() is None:
@@ -154,9 +179,12 @@ def test_agent_ends_ranks_when_the_launcher_is_gone(tmp_path):
         agent.wait(timeout=10)
         for stream in (agent.stdin, agent.stdout, agent.stderr):
             stream.close()
+        for f in glob.glob(f"/dev/shm/minicomm-{job_id}-*"):
+            os.unlink(f)
 
 
-def _zombie(pid):
+def _gone(pid):
+    """Exited (a zombie waiting for PID 1 counts as gone)."""
     try:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:

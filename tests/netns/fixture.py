@@ -1,6 +1,8 @@
 """pytest fixture: a namespace cluster (tests/netns/cluster) shared by one test session.
 
-    from netns.fixture import netns_cluster      # in a test module under tests/
+    pytest_plugins = ["netns.fixture"]           # in a test module under tests/ (after putting
+                                                 # tests/ on sys.path); not an import: a fixture
+                                                 # imported into two modules would be two clusters
 
     def test_x(netns_cluster):
         netns_cluster.hosts        # ["10.78.0.1", "10.78.0.2", "10.78.0.3"]  (h1..h3)
@@ -151,13 +153,20 @@ def measure_goodput(cluster, src, dst, seconds=2.0):
             reap(server, 0.1)
 
 
+_held = set()   # lock paths this process holds: flock would make a second taker wait on itself
+
+
 def _lock_session(path):
     """Exclusive flock held for the whole session, waiting at most LOCK_WAIT_S."""
+    if path in _held:
+        raise RuntimeError(f"this process already holds {path}: is the netns_cluster fixture "
+                           "imported into several modules? Use pytest_plugins = ['netns.fixture']")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     deadline = time.monotonic() + LOCK_WAIT_S
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _held.add(path)
             return fd
         except BlockingIOError:
             if time.monotonic() > deadline:
@@ -183,7 +192,8 @@ def require_namespaces():
 @pytest.fixture(scope="session")
 def netns_cluster():
     require_namespaces()
-    fd = _lock_session(SESSION_SETTINGS["dir"] + ".lock")
+    lock = SESSION_SETTINGS["dir"] + ".lock"
+    fd = _lock_session(lock)
     cluster = Cluster(SESSION_HOSTS, **SESSION_SETTINGS)
     try:
         try:
@@ -198,6 +208,7 @@ def netns_cluster():
             assert not left, f"cluster teardown left: {left}"
         finally:
             os.close(fd)
+            _held.discard(lock)
 
 
 __all__ = ["Cluster", "ClusterUnavailable", "measure_goodput", "netns_cluster",
