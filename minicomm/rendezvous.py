@@ -3,10 +3,11 @@
 Authentication. Every connection minicomm opens (store, tcp data links, shm doorbell links) starts
 with a mutual HMAC-SHA256 challenge-response over the per-job random token (``MINICOMM_JOB_TOKEN``,
 hex). Each side sends a fresh 32-byte nonce and proves knowledge of the token with
-``HMAC(token, role || nonce_server || nonce_client)``; binding both nonces and the role into each MAC
-rules out replay and reflection. Messages have fixed sizes, so an unauthenticated peer can make the
-server read at most 64 bytes and allocate nothing; the store never unpickles anything (its protocol
-is plain length-prefixed bytes) and the transports read no payload before the handshake succeeds.
+``HMAC(token, role || nonce_server || nonce_client)``; binding both nonces and the role into each
+MAC rules out replay and reflection. Messages have fixed sizes, so an unauthenticated peer can make
+the server read at most 64 bytes and allocate nothing; the store never unpickles anything (its
+protocol is plain length-prefixed bytes) and the transports read no payload before the handshake
+succeeds.
 
 Store. ``StoreServer`` serves set / blocking get / atomic add over one connection per client, one
 thread per connection, so a stray or stuck client never delays the others. ``StoreClient`` is
@@ -310,7 +311,7 @@ class StoreClient:
         self._call(_OP_SET, key, bytes(value), self.timeout)
 
     def get(self, key: str, timeout: Optional[float] = None) -> bytes:
-        """The value of ``key``, waiting until some client sets it; CommTimeout after ``timeout``."""
+        """The value of ``key``, waiting until a client sets it; CommTimeout after ``timeout``."""
         wait = self.timeout if timeout is None else float(timeout)
         # The server answers "timeout" itself; the socket deadline only guards a dead server.
         status, payload = self._call(_OP_GET, key, struct.pack("!d", wait), wait + 10.0)

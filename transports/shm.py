@@ -131,7 +131,8 @@ class _Peer:
     (in ours), the doorbell socket, and the receive matching."""
     __slots__ = ("rank", "sock", "fd", "flag_q", "tx_mm", "tx_u8", "tx_ctl", "tx_data", "tx_size",
                  "tx_head", "tx_tail", "tx_chunk", "txq", "tx_q", "rx_mm", "rx_u8", "rx_ctl",
-                 "rx_data", "rx_size", "rx_q", "rx_head", "rx_tail", "rx_cur", "inbox", "owed", "closed")
+                 "rx_data", "rx_size", "rx_q", "rx_head", "rx_tail", "rx_cur", "inbox", "owed",
+                 "closed")
 
     def __init__(self, rank: int):
         self.rank = rank
