@@ -154,18 +154,17 @@ def reachable_address(hosts: Sequence[str], ssh: str = "ssh", ssh_opts: Sequence
     A UDP ``connect`` only asks the kernel for a route: no packet is sent."""
     loopback = None
     for host in hosts:
-        for name in dict.fromkeys((host, _ssh_hostname(host, ssh, ssh_opts))):
-            try:
-                family, _, _, _, sockaddr = socket.getaddrinfo(name, 22, type=socket.SOCK_DGRAM)[0]
-                with socket.socket(family, socket.SOCK_DGRAM) as s:
-                    s.connect(sockaddr)
-                    addr = s.getsockname()[0]
-            except OSError:
-                continue
-            if not ipaddress.ip_address(addr).is_loopback:
-                return addr
-            loopback = loopback or addr
-            break
+        try:
+            name = _ssh_hostname(host, ssh, ssh_opts)
+            family, _, _, _, sockaddr = socket.getaddrinfo(name, 22, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(sockaddr)
+                addr = s.getsockname()[0]
+        except OSError:
+            continue
+        if not ipaddress.ip_address(addr).is_loopback:
+            return addr
+        loopback = loopback or addr
     if loopback:
         return loopback
     raise LaunchError("cannot tell which address of this machine the hosts reach (none of "
