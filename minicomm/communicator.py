@@ -82,6 +82,8 @@ class Communicator:
         self.timeout = float(timeout if timeout is not None else env_timeout or DEFAULT_TIMEOUT)
         debug = os.environ.get("MINICOMM_DEBUG", "").lower()
         self.debug_info = debug in ("info", "detail")
+        # "header": tags checked on every message, plus a fingerprint exchange before rooted
+        # collectives; "full" (MINICOMM_DEBUG=detail): a fingerprint exchange before every call.
         self.check = check or ("full" if debug == "detail" else "header")
         self.link_model = link_model or LinkModel.for_transports("shm", "tcp")
         self._algo_env = parse_algo_env()
@@ -210,11 +212,15 @@ class Communicator:
         return self._seq
 
     def _execute(self, coll: str, inb: np.ndarray, outb: np.ndarray, count: int, op: str,
-                 root: int, algorithm: Optional[str], shape: Tuple[int, ...]) -> None:
+                 root: int, algorithm: Optional[str], shape: Tuple[int, ...],
+                 fingerprint: bool = True) -> None:
         dtype = outb.dtype if outb is not None else inb.dtype
         algo = self._resolve_algorithm(coll, algorithm, count * dtype.itemsize)
         call = pack_call(coll, op, algo, dtype, root if coll in ROOTED else -1)
-        if self.check == "full" and self.size > 1:
+        # Headers catch a disagreement whenever the disagreeing ranks exchange a message. Ranks
+        # that disagree on the *root* may never do so (each "root" only sends): rooted calls
+        # therefore always exchange fingerprints first; check="full" does it for every call.
+        if self.size > 1 and fingerprint and (self.check == "full" or coll in ROOTED):
             self._fingerprint_check(call, count, shape)
         seq = self._next_seq()
         plan = self._plan(coll, algo, count, root)
@@ -229,6 +235,10 @@ class Communicator:
         except MismatchError as e:
             # Peers may be blocked on us: make them fail now with the same verdict.
             self.transport.abort(f"MismatchError: {e}")
+            raise
+        except PeerFailure as e:
+            if "MismatchError:" in str(e):     # a peer detected the mismatch and aborted
+                raise MismatchError(str(e)) from e
             raise
 
     # ------------------------------------------------------------------ argument helpers
@@ -389,7 +399,9 @@ class Communicator:
             else:
                 src = np.empty(0, dtype=dtype)
             shape = (self.size,) + tuple(block)
-            self._execute("scatter", src, outflat, count, "none", root, algorithm, shape)
+            # the metadata broadcast above already proved every rank agrees on the root
+            self._execute("scatter", src, outflat, count, "none", root, algorithm, shape,
+                          fingerprint=False)
             return res
         return self._submit("scatter", run, async_op)
 

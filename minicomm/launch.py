@@ -119,9 +119,13 @@ def _sweep(job_id: str) -> None:
     sweep_job_segments(job_id)
 
 
+last_job_id: Optional[str] = None   # of the latest process job (tests check it left nothing)
+
+
 def _spawn_processes(fn, world_size, args, transport, topology, timeout):
+    global last_job_id
     from .rendezvous import StoreServer
-    job_id = secrets.token_hex(6)
+    job_id = last_job_id = secrets.token_hex(6)
     token = secrets.token_bytes(32)
     server = StoreServer("127.0.0.1", 0, token)
     blob = cloudpickle.dumps((fn, args))
