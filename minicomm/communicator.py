@@ -537,6 +537,10 @@ class Communicator:
         self._closed = True
         if self._owner:
             self.transport.close()
+            # the world communicator of a launched process also owns its rendezvous connection
+            for res in (getattr(self, "_store", None), getattr(self, "_store_server", None)):
+                if res is not None:
+                    res.close()
 
     def __enter__(self):
         return self
