@@ -21,8 +21,12 @@ def _cmd_run(a) -> int:
         return 2
     if a.hosts or a.hostfile:
         from . import sshlaunch
-        hosts = (sshlaunch.parse_hostfile(a.hostfile) if a.hostfile
-                 else sshlaunch.parse_hosts(a.hosts))
+        try:
+            hosts = (sshlaunch.parse_hostfile(a.hostfile) if a.hostfile
+                     else sshlaunch.parse_hosts(a.hosts))
+        except sshlaunch.LaunchError as e:       # a bad host list is a usage error
+            print(f"minicomm run: {e}", file=sys.stderr)
+            return 2
         return sshlaunch.main_from_cli(a, hosts, argv)
     if a.n is None:
         print("minicomm run: give -n N (or --hosts / --hostfile)", file=sys.stderr)

@@ -50,6 +50,22 @@ def test_cap_slots():
         cap_slots([("a", 2), ("b", 2)], 5)
 
 
+def test_cli_bad_host_list_is_a_usage_error(tmp_path):
+    """`minicomm run` with a bad --hosts/--hostfile: one clear line, exit status 2, no traceback."""
+    bad_file = tmp_path / "hosts"
+    bad_file.write_text("node1 slots=0\n")
+    cases = [(["--hosts", "a:x"], "--hosts 'a:x': slots must be a positive integer, not 'x'"),
+             (["--hostfile", str(bad_file)], f"{bad_file}:1: slots must be a positive integer"),
+             (["--hostfile", str(tmp_path / "missing")], "hostfile: [Errno 2] No such file"),
+             (["--hosts", "a:2", "-n", "5"], "-n 5 exceeds the 2 slots of the host list")]
+    for args, message in cases:
+        res = subprocess.run([sys.executable, "-m", "minicomm.cli", "run", *args, "job.py"],
+                             capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        assert res.returncode == 2, (args, res.stderr)
+        assert res.stderr.startswith("minicomm run: ") and message in res.stderr, (args, res.stderr)
+        assert "Traceback" not in res.stderr
+
+
 # ------------------------------------------------------------------ whole jobs, locally
 def _job(tmp_path, body, hosts, **kw):
     script = tmp_path / "job.py"
