@@ -2,11 +2,10 @@
 with its own sshd, hostname and /dev/shm; the launcher runs in the root namespace and serves
 the store on the bridge. Needs root (skips, saying why, otherwise).
 
-The rank script reports what it sees. Once `mc.init()` can connect ranks (rendezvous store and
-tcp transport importable) it builds the world communicator and checks an allreduce across
-hosts; before that, it reports the launcher's environment only.
+The rank scripts report what they see (environment, host, communicator, transports), and
+examples/multihost_check.py checks every collective with every algorithm against numpy on 2x2
+(shm inside a host, tcp between) and 3x1 (tcp only) layouts.
 """
-import importlib.util
 import json
 import os
 import re
@@ -24,7 +23,7 @@ from netns.fixture import processes_mentioning, reap  # noqa: E402
 
 pytest_plugins = ["netns.fixture"]   # one session cluster, however many modules use it
 
-INIT_WORKS = all(importlib.util.find_spec(m) for m in ("minicomm.rendezvous", "minicomm.transports.tcp"))
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 REPORT = """
     import json, os, socket, sys
@@ -40,14 +39,13 @@ REPORT = """
            "MINICOMM_LOCAL_SIZE", "MINICOMM_NODE", "MINICOMM_NUM_NODES", "MASTER_ADDR",
            "MINICOMM_JOB_ID")}
     info = dict(host=socket.gethostname(), env=env, token_len=len(token), on_cmdline=on_cmdline)
-    if sys.argv[1] == "init":
-        import numpy as np
-        import minicomm as mc
-        comm = mc.init()
-        info.update(comm=[comm.rank, comm.size, comm.local_rank, comm.local_size, comm.node,
-                          comm.num_nodes],
-                    allreduce=float(comm.allreduce(np.array([comm.rank + 1.0]))[0]))
-        comm.close()
+    import numpy as np
+    import minicomm as mc
+    comm = mc.init()
+    info.update(comm=[comm.rank, comm.size, comm.local_rank, comm.local_size, comm.node,
+                      comm.num_nodes],
+                allreduce=float(comm.allreduce(np.array([comm.rank + 1.0]))[0]))
+    comm.close()
     print(json.dumps(info))
     print(f"stderr of rank {env['MINICOMM_RANK']}", file=sys.stderr)
 """
@@ -82,10 +80,10 @@ def _cli(cluster, hostfile, script, *args, ssh_config=None):
             f"--ssh-opts=-F {ssh_config or cluster.ssh_config}", "--", str(script), *args]
 
 
-def _run(cluster, tmp_path, cmd, timeout=90):
+def _run(cluster, tmp_path, cmd, timeout=90, env=None):
     t0 = time.monotonic()
     res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
-                         stdin=subprocess.DEVNULL)
+                         stdin=subprocess.DEVNULL, env=env)
     return res, time.monotonic() - t0
 
 
@@ -125,20 +123,36 @@ def _leftovers(cluster, script, job_id, settle=10.0):
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("layout", [[2, 2], [1, 1, 1]], ids=["2x2", "3x1"])
-def test_layout_and_environment(netns_cluster, tmp_path, layout):
-    c = netns_cluster
-    script = _write(tmp_path, "report.py", REPORT)
-    mode = "init" if INIT_WORKS else "env"
-    res, took = _run(c, tmp_path, _cli(c, _hostfile(c, tmp_path, layout), script, mode))
-    assert res.returncode == 0, f"{mode} mode:\n{res.stdout}\n{res.stderr}"
-    size = sum(layout)
+def _expected_transports(layout, rank):
+    """What ``describe()`` of an "auto" transport says: shm to the ranks of its own host, tcp
+    to the others (RoutedTransport lists shm first)."""
+    nodes = [node for node, slots in enumerate(layout) for _ in range(slots)]
+    same = [q for q in range(len(nodes)) if q != rank and nodes[q] == nodes[rank]]
+    other = [q for q in range(len(nodes)) if nodes[q] != nodes[rank]]
+    parts = ([f"shm to {same}"] if same else []) + ([f"tcp to {other}"] if other else [])
+    return f"rank {rank}: " + ", ".join(parts)
+
+
+def _reports(stdout, size):
+    """{rank: JSON object} from the ranks' one-line reports; every line must be prefixed."""
     reports = {}
-    for line in res.stdout.splitlines():
+    for line in stdout.splitlines():
         m = re.match(r"^\[(\d+)\] (\{.*\})$", line)
         assert m, f"unprefixed output line {line!r}"
         reports[int(m[1])] = json.loads(m[2])
     assert sorted(reports) == list(range(size))
+    return reports
+
+
+@pytest.mark.parametrize("layout", [[2, 2], [1, 1, 1]], ids=["2x2", "3x1"])
+def test_layout_and_environment(netns_cluster, tmp_path, layout):
+    c = netns_cluster
+    script = _write(tmp_path, "report.py", REPORT)
+    res, took = _run(c, tmp_path, _cli(c, _hostfile(c, tmp_path, layout), script),
+                     env=dict(os.environ, MINICOMM_DEBUG="info"))
+    assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
+    size = sum(layout)
+    reports = _reports(res.stdout, size)
     rank = 0
     for node, slots in enumerate(layout):
         for local in range(slots):
@@ -151,14 +165,39 @@ def test_layout_and_environment(netns_cluster, tmp_path, layout):
             assert r["host"] == c.names[node]                 # really ran on that host
             assert env["MASTER_ADDR"] == c.gateway
             assert r["token_len"] == 64 and r["on_cmdline"] == []
-            if mode == "init":
-                assert r["comm"] == expect
-                assert r["allreduce"] == size * (size + 1) / 2
+            assert r["comm"] == expect
+            assert r["allreduce"] == size * (size + 1) / 2
+            # MINICOMM_DEBUG=info (forwarded by the launcher) logs each rank's transports
+            assert (f"[{rank}] [minicomm rank {rank}] transports: "
+                    f"{_expected_transports(layout, rank)}") in res.stderr.splitlines()
             rank += 1
     assert len({r["env"]["MINICOMM_JOB_ID"] for r in reports.values()}) == 1
     assert sorted(l for l in res.stderr.splitlines() if "stderr of rank" in l) == sorted(
         f"[{r}] stderr of rank {r}" for r in range(size))
-    print(f"{mode} mode, layout {layout}: {took:.1f} s")
+    print(f"layout {layout}: {took:.1f} s")
+
+
+@pytest.mark.parametrize("layout", [[2, 2], [1, 1, 1]], ids=["2x2", "3x1"])
+def test_every_collective_and_algorithm_across_hosts(netns_cluster, tmp_path, layout):
+    """examples/multihost_check.py: every collective (and barrier, send/recv) with ring, tree,
+    rhd, hier and auto, checked against numpy on every rank; on 2x2 over shm and tcp at once."""
+    c = netns_cluster
+    script = os.path.join(EXAMPLES, "multihost_check.py")
+    res, took = _run(c, tmp_path, _cli(c, _hostfile(c, tmp_path, layout), script), timeout=120)
+    assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
+    size = sum(layout)
+    reports = _reports(res.stdout, size)
+    rank = 0
+    for node, slots in enumerate(layout):
+        for local in range(slots):
+            r = reports[rank]
+            assert (r["size"], r["host"], r["node"], r["local_rank"]) == (size, c.names[node], node, local)
+            assert r["transports"] == _expected_transports(layout, rank)
+            assert r["algorithms"] == ["ring", "tree", "rhd", "hier", "auto"]
+            rank += 1
+    # the same number of checks on every rank (each rank checks its own part of every call)
+    assert len({r["checks"] for r in reports.values()}) == 1 and reports[0]["checks"] > 1000
+    print(f"layout {layout}: {reports[0]['checks']} checks per rank in {took:.1f} s")
 
 
 def test_unreachable_host_is_a_clear_error(netns_cluster, tmp_path):
