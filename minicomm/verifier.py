@@ -17,7 +17,8 @@ ranks its sender knows have entered; every rank must know all ranks before it le
 """
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import defaultdict
+from itertools import repeat
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .schedule import (IN, OUT, TMP, Copy, Recv, Reduce, Schedule, Send,
@@ -59,7 +60,11 @@ def _check_structure(s: Schedule) -> None:
         raise VerificationError(f"rank {s.rank}: buffer sizes {(s.in_count, s.out_count)} "
                                 f"!= {(ein, eout)} for {s.collective}")
 
-    def region(buf, off, cnt, where, write):
+    def region(buf, off, cnt, i, write):
+        if buf in sizes and 0 <= off and 0 <= cnt and off + cnt <= sizes[buf] \
+                and not (write and buf == IN):
+            return (buf, off, cnt)
+        where = f"rank {s.rank} step {i}"
         if buf not in sizes:
             raise VerificationError(f"{where}: unknown buffer {buf!r}")
         if cnt < 0 or off < 0 or off + cnt > sizes[buf]:
@@ -70,24 +75,25 @@ def _check_structure(s: Schedule) -> None:
         return (buf, off, cnt)
 
     for i, step in enumerate(s.steps):
-        where = f"rank {s.rank} step {i}"
         reads, writes = [], []   # communication regions of this step
         for o in step:
             if isinstance(o, (Send, Recv)):
                 if not (0 <= o.peer < s.size) or o.peer == s.rank:
-                    raise VerificationError(f"{where}: bad peer {o.peer} in {o}")
-                r = region(o.buf, o.offset, o.count, where, isinstance(o, Recv))
+                    raise VerificationError(f"rank {s.rank} step {i}: bad peer {o.peer} in {o}")
+                r = region(o.buf, o.offset, o.count, i, isinstance(o, Recv))
                 (writes if isinstance(o, Recv) else reads).append((r, o))
             else:
-                region(o.src, o.src_offset, o.count, where, False)
-                region(o.dst, o.dst_offset, o.count, where, True)
+                region(o.src, o.src_offset, o.count, i, False)
+                region(o.dst, o.dst_offset, o.count, i, True)
+        if not writes or len(writes) + len(reads) < 2:
+            continue
         for j, (w, wo) in enumerate(writes):
             for r, _ in reads:
                 if _regions_overlap(w, r):
-                    raise VerificationError(f"{where}: {wo} writes what a Send of the same step reads")
+                    raise VerificationError(f"rank {s.rank} step {i}: {wo} writes what a Send of the same step reads")
             for w2, wo2 in writes[j + 1:]:
                 if _regions_overlap(w, w2) and not (wo.reduce and wo2.reduce):
-                    raise VerificationError(f"{where}: {wo} and {wo2} write the same elements")
+                    raise VerificationError(f"rank {s.rank} step {i}: {wo} and {wo2} write the same elements")
 
 
 def verify(schedules: Sequence[Schedule], *, topology=None) -> Dict[str, int]:
@@ -131,7 +137,7 @@ def verify(schedules: Sequence[Schedule], *, topology=None) -> Dict[str, int]:
         if (coll == "broadcast" or coll == "scatter") and s.rank != root:
             bufs[IN] = [undefined] * s.in_count   # never read: using it is a bug
         else:
-            bufs[IN] = [(e, 1 << s.rank) for e in range(s.in_count)]
+            bufs[IN] = list(zip(range(s.in_count), repeat(1 << s.rank)))
         state.append(bufs)
     knows = [1 << r for r in range(p)]   # barrier knowledge: who is known to have entered
 
