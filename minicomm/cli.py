@@ -1,4 +1,4 @@
-"""The ``minicomm`` command: verify | run (later: bench, sim, demo)."""
+"""The ``minicomm`` command: verify | run | bench (later: sim, demo)."""
 from __future__ import annotations
 
 import argparse
@@ -35,6 +35,11 @@ def _cmd_run(a) -> int:
     return run_local(a.n, argv, nodes=a.nodes, transport=a.transport, timeout=a.timeout)
 
 
+def _cmd_bench(a) -> int:
+    from .bench import main_from_cli
+    return main_from_cli(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minicomm", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -61,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--connect-timeout", type=float, default=10.0)
     r.add_argument("script", nargs=argparse.REMAINDER)
     r.set_defaults(func=_cmd_run)
+
+    from . import bench
+    b = sub.add_parser("bench", help="nccl-tests-style benchmark (with MPICH / gloo side by side)",
+                       description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_arguments(b)
+    b.set_defaults(func=_cmd_bench)
     return p
 
 

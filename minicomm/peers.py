@@ -1,0 +1,348 @@
+"""Peers for ``minicomm bench --peers``: the same calls through MPICH (mpi4py) and gloo (torch).
+
+Both run in the benchmark's own rank processes, on the same numpy buffers, interleaved batch by
+batch with minicomm's algorithms. The MPI peer needs its ranks started by MPICH's ``mpiexec`` (the
+one the ``mpich`` wheel installs beside this interpreter): ``run_under_mpiexec`` starts them, and
+each also builds its minicomm communicator from the environment (``mc.init``), so one job carries
+both. gloo only needs a TCP store, which rank 0 hosts.
+
+Buffer semantics match nccl-tests: out-of-place calls read ``send`` and write ``recv``. Where a
+library has no out-of-place form (MPI_Bcast; gloo's allreduce, reduce and broadcast work in
+place), the out-of-place call copies the input into the output first and then works in place,
+which is what its users do to get the same contract. gloo's all_to_all_single gives wrong results
+when input and output alias, so gloo has no in-place alltoall (n/a).
+
+Install: ``pip install 'minicomm[peers]'`` (mpi4py and the MPICH wheel); torch is detected, never
+required (CPU build: ``pip install torch``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import List, Optional
+
+import numpy as np
+
+from .bench import BenchConfig, BenchError, Buffers, Call, rank_main
+
+MPI_OPS = {"sum": "SUM", "prod": "PROD", "min": "MIN", "max": "MAX", "band": "BAND",
+           "bor": "BOR", "bxor": "BXOR"}
+GLOO_OPS = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "band": "BAND",
+            "bor": "BOR", "bxor": "BXOR"}
+
+
+def mpi_available() -> Optional[str]:
+    """None when mpi4py and an mpiexec can be used, else why not."""
+    try:
+        import mpi4py  # noqa: F401  (the MPI module itself initialises MPI: import it in ranks)
+    except ImportError:
+        return "mpi4py is not installed (pip install 'minicomm[peers]')"
+    if find_mpiexec() is None:
+        return "no mpiexec found (pip install mpich puts one beside the interpreter)"
+    return None
+
+
+def gloo_available() -> Optional[str]:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return "torch is not installed (pip install torch; the CPU build is enough)"
+    if not dist.is_available() or not dist.is_gloo_available():
+        return "this torch build has no gloo backend"
+    return None
+
+
+def find_mpiexec() -> Optional[str]:
+    """The mpiexec of the environment mpi4py is installed in (the mpich wheel's), else PATH's."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.access(here, os.X_OK):
+        return here
+    return shutil.which("mpiexec")
+
+
+def check_supported(peer: str, op: str, dtype: str) -> None:
+    why = mpi_available() if peer == "mpi" else gloo_available()
+    if why:
+        raise BenchError(f"--peers {peer}: {why}")
+    table = MPI_OPS if peer == "mpi" else GLOO_OPS
+    if op not in table:
+        raise BenchError(f"--peers {peer}: the peer has no {op!r} reduction")
+
+
+def start(peer: str, comm, cfg: BenchConfig, mpi_comm=None):
+    if peer == "mpi":
+        if mpi_comm is None:
+            raise BenchError("--peers mpi: this rank was not started by mpiexec")
+        return MpiRunner(mpi_comm, cfg)
+    return GlooRunner(comm, cfg)
+
+
+# ------------------------------------------------------------------------ MPI
+class MpiRunner:
+    library = "mpi"
+    label = "mpi"
+    algorithm = "mpi"
+
+    def __init__(self, mpi_comm, cfg: BenchConfig):
+        from mpi4py import MPI
+        self.MPI, self.c = MPI, mpi_comm
+        self.version = MPI.Get_library_version().splitlines()[0].strip() + \
+            f", mpi4py {__import__('mpi4py').__version__}"
+        self.transport = "mpich-netmod" if os.environ.get("MPIR_CVAR_NOLOCAL") == "1" else "mpich"
+        self.mpi_op = getattr(MPI, MPI_OPS[cfg.op])
+
+    def describe(self, case) -> str:
+        return "mpi"
+
+    def supports(self, collective: str, inplace: bool) -> bool:
+        return True
+
+    def prepare(self, b: Buffers, inplace: bool, op: str, root: int) -> Call:
+        MPI, c, o = self.MPI, self.c, self.mpi_op
+        coll, r = b.case.collective, c.rank
+        is_root = r == root
+        send, recv, ip = b.send, b.recv, b.ip
+        IP = MPI.IN_PLACE
+        result = b.default_result(inplace)
+        if coll == "allreduce":
+            f = (lambda: c.Allreduce(IP, ip, o)) if inplace else (lambda: c.Allreduce(send, recv, o))
+        elif coll == "reduce":
+            if inplace:
+                f = (lambda: c.Reduce(IP, ip, o, root)) if is_root else (lambda: c.Reduce(ip, None, o, root))
+            else:
+                f = lambda: c.Reduce(send, recv if is_root else None, o, root)  # noqa: E731
+        elif coll == "broadcast":
+            if inplace:
+                f = lambda: c.Bcast(ip, root)  # noqa: E731
+            elif is_root:
+                def f():
+                    np.copyto(recv, send)
+                    c.Bcast(recv, root)
+            else:
+                f = lambda: c.Bcast(recv, root)  # noqa: E731
+        elif coll == "allgather":
+            f = (lambda: c.Allgather(IP, ip)) if inplace else (lambda: c.Allgather(send, recv))
+        elif coll == "gather":
+            if inplace:
+                f = (lambda: c.Gather(IP, ip, root)) if is_root else \
+                    (lambda: c.Gather(b.block(ip, r), None, root))
+            else:
+                f = lambda: c.Gather(send, recv if is_root else None, root)  # noqa: E731
+        elif coll == "scatter":
+            if inplace:
+                f = (lambda: c.Scatter(ip, IP, root)) if is_root else \
+                    (lambda: c.Scatter(None, b.block(ip, r), root))
+            else:
+                f = lambda: c.Scatter(send if is_root else None, recv, root)  # noqa: E731
+        elif coll == "reduce_scatter":
+            if inplace:
+                f = lambda: c.Reduce_scatter_block(IP, ip, o)  # noqa: E731
+                result = b.block(ip, 0)     # MPI puts an in-place result at the buffer's start
+            else:
+                f = lambda: c.Reduce_scatter_block(send, recv, o)  # noqa: E731
+        elif coll == "alltoall":
+            f = (lambda: c.Alltoall(IP, ip)) if inplace else (lambda: c.Alltoall(send, recv))
+        elif coll == "barrier":
+            f = c.Barrier
+        else:
+            raise ValueError(coll)
+        return Call(f, c.Barrier, result)
+
+    def close(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------ gloo
+class GlooRunner:
+    library = "gloo"
+    label = "gloo"
+    algorithm = "gloo"
+    transport = "gloo-tcp"
+
+    def __init__(self, comm, cfg: BenchConfig):
+        import torch
+        import torch.distributed as dist
+        self.torch, self.dist = torch, dist
+        # one compute thread per rank, as minicomm and MPI have (the out-of-place copies would
+        # otherwise fan out over every core and steal them from the other ranks)
+        torch.set_num_threads(1)
+        addr = os.environ.get("MINICOMM_MASTER_ADDR", "127.0.0.1")
+        if addr in ("127.0.0.1", "localhost"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        limit = datetime.timedelta(seconds=cfg.timeout if cfg.timeout is not None else comm.timeout)
+        if comm.rank == 0:
+            store = dist.TCPStore(addr, 0, comm.size, True, timeout=limit, wait_for_workers=False)
+            comm.broadcast_object(store.port, root=0)
+        else:
+            port = comm.broadcast_object(None, root=0)
+            store = dist.TCPStore(addr, port, comm.size, False, timeout=limit)
+        self.store = store
+        self.pg = None
+        dist.init_process_group("gloo", store=store, rank=comm.rank, world_size=comm.size,
+                                timeout=limit)
+        self.pg = dist.group.WORLD
+        self.version = f"torch {torch.__version__} gloo (TCP loopback)"
+        self.red = getattr(dist.ReduceOp, GLOO_OPS[cfg.op])
+        # torch 2.13 names these *_single; older releases *_tensor
+        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._reduce_scatter = (getattr(dist, "reduce_scatter_single", None)
+                                or dist.reduce_scatter_tensor)
+
+    def describe(self, case) -> str:
+        return "gloo"
+
+    def supports(self, collective: str, inplace: bool) -> bool:
+        return not (collective == "alltoall" and inplace)
+
+    def prepare(self, b: Buffers, inplace: bool, op: str, root: int) -> Call:
+        torch, dist, red = self.torch, self.dist, self.red
+        coll = b.case.collective
+        n, r = b.case.n, b.rank
+        is_root = r == root
+        t = torch.from_numpy
+        send, recv, ip = t(b.send), t(b.recv), t(b.ip)
+        c = b.case.count
+
+        def blocks(x):
+            return list(x.split(c)) if c else [x[:0] for _ in range(n)]
+
+        def block(x, j):
+            return x[j * c:(j + 1) * c]
+        if coll == "allreduce":
+            if inplace:
+                f = lambda: dist.all_reduce(ip, red)  # noqa: E731
+            else:
+                def f():
+                    recv.copy_(send)
+                    dist.all_reduce(recv, red)
+        elif coll == "reduce":
+            if inplace:
+                f = lambda: dist.reduce(ip, root, red)  # noqa: E731
+            else:
+                def f():
+                    recv.copy_(send)
+                    dist.reduce(recv, root, red)
+        elif coll == "broadcast":
+            if inplace:
+                f = lambda: dist.broadcast(ip, root)  # noqa: E731
+            elif is_root:
+                def f():
+                    recv.copy_(send)
+                    dist.broadcast(recv, root)
+            else:
+                f = lambda: dist.broadcast(recv, root)  # noqa: E731
+        elif coll == "allgather":
+            ag = self._all_gather
+            f = (lambda: ag(ip, block(ip, r))) if inplace else (lambda: ag(recv, send))
+        elif coll == "gather":
+            if inplace:
+                lst = blocks(ip) if is_root else None
+                x = block(ip, r)
+            else:
+                lst = blocks(recv) if is_root else None
+                x = send
+            f = lambda: dist.gather(x, lst, root)  # noqa: E731
+        elif coll == "scatter":
+            if inplace:
+                lst = blocks(ip) if is_root else None
+                y = block(ip, r)
+            else:
+                lst = blocks(send) if is_root else None
+                y = recv
+            f = lambda: dist.scatter(y, lst, root)  # noqa: E731
+        elif coll == "reduce_scatter":
+            rs = self._reduce_scatter
+            f = (lambda: rs(block(ip, r), ip, red)) if inplace else (lambda: rs(recv, send, red))
+        elif coll == "alltoall":
+            f = lambda: dist.all_to_all_single(recv, send)  # noqa: E731
+        elif coll == "barrier":
+            f = dist.barrier
+        else:
+            raise ValueError(coll)
+        return Call(f, dist.barrier, b.default_result(inplace))
+
+    def close(self) -> None:
+        if self.pg is not None:
+            self.dist.destroy_process_group()
+            self.pg = None
+
+
+# ------------------------------------------------------------------------ mpiexec launch
+def run_under_mpiexec(cfg: BenchConfig) -> List[dict]:
+    """Start cfg.nranks ranks with mpiexec; each joins a minicomm world through a store this
+    process hosts (the same authenticated rendezvous ``minicomm run`` uses) and runs the bench;
+    rank 0 writes its rows to a file we read back."""
+    from .launch import _sweep
+    from .rendezvous import StoreServer
+    mpiexec = find_mpiexec()
+    token = secrets.token_bytes(32)
+    job_id = secrets.token_hex(6)
+    server = StoreServer("127.0.0.1", 0, token)
+    tmp = tempfile.mkdtemp(prefix="minicomm-bench-")
+    cfg_path, out_path = os.path.join(tmp, "config.json"), os.path.join(tmp, "rows.json")
+    with open(cfg_path, "w") as f:
+        json.dump(dataclasses.asdict(cfg), f)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MINICOMM_") or k in ("MINICOMM_ALGO", "MINICOMM_DEBUG")}
+    env.update(MINICOMM_MASTER_ADDR="127.0.0.1", MINICOMM_MASTER_PORT=str(server.port),
+               MINICOMM_JOB_TOKEN=token.hex(), MINICOMM_JOB_ID=job_id,
+               MINICOMM_TRANSPORT=cfg.transport, PYTHONUNBUFFERED="1")
+    if cfg.transport == "tcp":
+        # compare like with like: MPICH between ranks over its network module, not shared memory
+        env.setdefault("MPIR_CVAR_NOLOCAL", "1")
+    cmd = [mpiexec, "-n", str(cfg.nranks), sys.executable, "-m", "minicomm.peers", cfg_path,
+           out_path]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        # No overall deadline here: every rank ends itself when it makes no progress for
+        # cfg.timeout seconds (bench.Watchdog), and mpiexec then ends the job.
+        rc = proc.wait()
+        if rc != 0:
+            raise BenchError(f"the mpiexec job failed (exit status {rc})")
+        with open(out_path) as f:
+            return json.load(f)
+    finally:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        server.close()
+        _sweep(job_id)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _mpi_rank(cfg_path: str, out_path: str) -> int:
+    """One rank of ``run_under_mpiexec``: MPI first (mpiexec's PMI), then the minicomm world."""
+    from mpi4py import MPI
+    from .launch import init, node_map
+    with open(cfg_path) as f:
+        cfg = BenchConfig(**json.load(f))
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    os.environ.update(MINICOMM_RANK=str(rank), MINICOMM_SIZE=str(size),
+                      MINICOMM_NODE=str(node_map(size, cfg.nodes)[rank]))
+    comm = init(transport=cfg.transport, timeout=cfg.timeout)
+    try:
+        rows = rank_main(comm, cfg, mpi_comm=MPI.COMM_WORLD)
+        if rank == 0:
+            tmp = out_path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(rows, f)
+            os.replace(tmp, out_path)
+    finally:
+        comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    from minicomm import peers as _self     # the package's module, not a second __main__ copy
+    sys.exit(_self._mpi_rank(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,242 @@
+"""`minicomm bench`: results checked (#wrong == 0), outputs parse, busbw factors, peers.
+
+Not timed: the benchmark is run briefly to prove it works and checks results; speed is what the
+benchmark itself reports.
+"""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minicomm import bench, peers
+from minicomm.bench import (COLLECTIVES, BenchConfig, BenchError, Buffers, Case, busbw_factor,
+                            expected_result, make_cases, parse_size, size_steps)
+
+QUICK = dict(iters=2, warmup=1, batches=2)
+
+
+def _cli(*args, timeout=120, env=None):
+    return subprocess.run([sys.executable, "-m", "minicomm.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def _all_wrong(rows):
+    return sum((r.get("wrong") or 0) + (r.get("ip_wrong") or 0) for r in rows)
+
+
+# ---------------------------------------------------------------------------- units
+@pytest.mark.parametrize("coll,n,factor", [
+    ("allreduce", 2, 1.0), ("allreduce", 4, 1.5), ("allreduce", 1, 0.0),
+    ("reduce_scatter", 4, 0.75), ("allgather", 8, 7 / 8), ("alltoall", 4, 0.75),
+    ("gather", 4, 0.75), ("scatter", 2, 0.5), ("broadcast", 4, 1.0), ("reduce", 16, 1.0),
+    ("barrier", 4, 0.0)])
+def test_busbw_factors_are_nccl_tests(coll, n, factor):
+    assert busbw_factor(coll, n) == pytest.approx(factor)
+
+
+def test_busbw_factor_rejects_unknown():
+    with pytest.raises(ValueError):
+        busbw_factor("allscatter", 2)
+
+
+def test_sizes_parse_and_step_like_nccl_tests():
+    assert parse_size("8") == 8 and parse_size("4K") == 4096 and parse_size("64M") == 64 << 20
+    assert parse_size("1g") == 1 << 30 and parse_size("2KB") == 2048
+    with pytest.raises(ValueError):
+        parse_size("lots")
+    assert size_steps(8, 64 << 20, 4)[-1] == 32 << 20
+    assert size_steps(8, 128, 2) == [8, 16, 32, 64, 128]
+    assert size_steps(100, 400, step=100) == [100, 200, 300, 400]
+
+
+def test_cases_round_to_whole_blocks():
+    # 8 bytes of float32 over 4 ranks is half an element per block: one element per block
+    (c,) = make_cases("allgather", [8], 4, "float32")
+    assert (c.count, c.size, c.in_count, c.out_count) == (1, 16, 1, 4)
+    cs = make_cases("reduce_scatter", [8, 16, 1024], 4, "float32")
+    assert [x.count for x in cs] == [1, 64] and cs[1].size == 1024 and cs[1].in_count == 256
+    assert [x.count for x in make_cases("allreduce", [0, 8, 10], 2, "float32")] == [0, 2]
+    assert make_cases("barrier", [8, 1024], 2, "float32") == [Case("barrier", 2, 0, "float32")]
+
+
+def _reference(case, op, root, inputs):
+    """The collective's meaning, spelled out with numpy over every rank's input."""
+    n, c = case.n, case.count
+    fold = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum,
+            "max": np.maximum, "bxor": np.bitwise_xor}[op]
+    red = fold.reduce(np.stack(inputs), axis=0, dtype=inputs[0].dtype)
+    if op == "avg":
+        red /= n
+    out = {}
+    for r in range(n):
+        coll = case.collective
+        if coll in ("allreduce",) or (coll == "reduce" and r == root):
+            out[r] = red
+        elif coll == "reduce_scatter":
+            out[r] = red[r * c:(r + 1) * c]
+        elif coll == "broadcast":
+            out[r] = inputs[root]
+        elif coll == "scatter":
+            out[r] = inputs[root][r * c:(r + 1) * c]
+        elif coll == "allgather" or (coll == "gather" and r == root):
+            out[r] = np.concatenate(inputs)
+        elif coll == "alltoall":
+            out[r] = np.concatenate([inputs[j][r * c:(r + 1) * c] for j in range(n)])
+        else:
+            out[r] = None
+    return out
+
+
+@pytest.mark.parametrize("coll", [c for c in COLLECTIVES if c != "barrier"])
+@pytest.mark.parametrize("n,op,dtype", [(1, "sum", "float32"), (3, "sum", "float32"),
+                                        (4, "prod", "float64"), (5, "max", "int32"),
+                                        (3, "avg", "float32"), (4, "bxor", "uint8")])
+def test_closed_form_expected_values_match_the_definition(coll, n, op, dtype):
+    case = Case(coll, n, 300, dtype)          # 300 > PERIOD: the pattern wraps inside a block
+    root = n - 1
+    inputs = [Buffers(case, op, r, root).send.copy() for r in range(n)]
+    ref = _reference(case, op, root, inputs)
+    for r in range(n):
+        got = expected_result(case, op, r, root)
+        if ref[r] is None:
+            assert got is None
+        else:
+            np.testing.assert_array_equal(got, ref[r])
+
+
+# ---------------------------------------------------------------------------- runs
+def test_every_collective_and_algorithm_checks_clean_inproc():
+    cfg = BenchConfig(collectives=list(COLLECTIVES), sizes=[8, 1000], nranks=3,
+                      transport="inproc", algorithms=["ring", "rhd", "tree", "hier", "auto"],
+                      root=1, quiet=True, **QUICK)
+    rows = bench.run(cfg)
+    assert len(rows) == (len(COLLECTIVES) - 1) * 2 * 5 + 5      # barrier: one size
+    assert _all_wrong(rows) == 0
+    for r in rows:
+        assert r["time_us"] > 0 and r["wrong"] == 0
+        if r["collective"] != "barrier":
+            assert r["ip_time_us"] > 0 and r["ip_wrong"] == 0
+            assert r["busbw"] == pytest.approx(r["algbw"] * busbw_factor(r["collective"], 3))
+        assert r["root"] == (1 if r["collective"] in bench.ROOTED else -1)
+    auto = [r["algo"] for r in rows if r["algo"].startswith("auto")]
+    assert all(a.split(">")[1] in ("ring", "rhd", "tree", "hier") for a in auto)
+
+
+def test_wrong_results_are_counted(monkeypatch):
+    """Negative control: a library whose result is off by one element on every rank."""
+    real = bench.MinicommRunner.prepare
+
+    def corrupt(self, b, inplace, op, root):
+        call = real(self, b, inplace, op, root)
+        inner = call.op
+
+        def op_then_spoil():
+            inner()
+            call.result[0] += 1
+        return bench.Call(op_then_spoil, call.barrier, call.result)
+    monkeypatch.setattr(bench.MinicommRunner, "prepare", corrupt)
+    rows = bench.run(BenchConfig(collectives=["allreduce"], sizes=[64], nranks=2,
+                                 transport="inproc", quiet=True, **QUICK))
+    assert rows[0]["wrong"] == 2 and rows[0]["ip_wrong"] == 2
+
+
+def test_cli_processes_over_shm_write_csv_and_json(tmp_path):
+    c, j = tmp_path / "out.csv", tmp_path / "out.json"
+    p = _cli("bench", "allreduce,alltoall,broadcast", "-b", "8", "-e", "64K", "-f", "64", "-n",
+             "2", "--transport", "shm", "--algorithms", "ring,auto", "--iters", "2",
+             "--warmup", "1", "--batches", "2", "--csv", str(c), "--json", str(j))
+    assert p.returncode == 0, p.stderr
+    assert "# Out of bounds values : 0 OK" in p.stdout
+    assert "#wrong" in p.stdout and "busbw" in p.stdout and "in-place" in p.stdout
+    with open(c) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 3 * 3 * 2
+    assert all(r["wrong"] == "0" and r["ip_wrong"] == "0" for r in rows)
+    assert {r["size"] for r in rows if r["collective"] == "allreduce"} == {"8", "512", "32768"}
+    doc = json.loads(j.read_text())
+    assert doc["meta"]["nranks"] == 2 and doc["meta"]["transport"] == "shm"
+    assert len(doc["rows"]) == len(rows)
+    assert all(len(r["batches_us"]) == 2 for r in doc["rows"])
+
+
+def test_cli_inside_minicomm_run():
+    p = subprocess.run([sys.executable, "-m", "minicomm.cli", "run", "-n", "2", "--",
+                        "-m", "minicomm.cli", "bench", "reduce_scatter", "-b", "1K", "-e", "1K",
+                        "--iters", "1", "--warmup", "1", "--batches", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "[0] # Out of bounds values : 0 OK" in p.stdout
+    assert "[1]" not in p.stdout            # only rank 0 reports
+
+
+def test_bad_options_exit_cleanly():
+    p = _cli("bench", "allscatter")
+    assert p.returncode == 2 and "unknown collective" in p.stderr
+    p = _cli("bench", "allreduce", "-o", "bxor")
+    assert p.returncode == 2 and "integer dtype" in p.stderr
+
+
+def test_tune_table_format(tmp_path):
+    rows = bench.run(BenchConfig(collectives=["allreduce", "allgather"], sizes=[8, 4096],
+                                 nranks=2, transport="inproc",
+                                 algorithms=["ring", "rhd", "tree", "hier", "auto"],
+                                 quiet=True, **QUICK))
+    entries = bench.tune_entries(rows)
+    assert len(entries) == 4
+    for e in entries:
+        assert set(e) >= {"collective", "world", "nbytes", "best", "times"}
+        assert set(e["times"]) == {"ring", "rhd", "tree", "hier"}      # auto is no candidate
+        assert e["best"] == min(e["times"], key=e["times"].get)
+        assert e["world"] == 2
+    path = tmp_path / "tune-test.json"
+    bench.write_tune_file(entries, str(path))
+    bench.write_tune_file(entries[:1], str(path))       # merges: same keys replaced, not doubled
+    doc = json.loads(path.read_text())
+    assert doc["version"] == 1 and len(doc["entries"]) == 4
+    assert {e["nbytes"] for e in doc["entries"] if e["collective"] == "allgather"} == {4, 4096 // 2}
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = bench.run(BenchConfig(collectives=["allreduce", "barrier"], sizes=[8, 4096],
+                                 nranks=2, transport="inproc", algorithms=["ring", "auto"],
+                                 quiet=True, **QUICK))
+    out = tmp_path / "busbw.png"
+    bench.plot(rows, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------- peers
+def test_missing_peer_is_a_clean_error(monkeypatch):
+    monkeypatch.setattr(peers, "gloo_available", lambda: "torch is not installed")
+    cfg = BenchConfig(collectives=["allreduce"], sizes=[8], peers=["gloo"])
+    with pytest.raises(BenchError, match="torch is not installed"):
+        cfg.validate()
+    monkeypatch.setattr(peers, "mpi_available", lambda: None)
+    with pytest.raises(BenchError, match="no 'avg' reduction"):
+        BenchConfig(collectives=["allreduce"], sizes=[8], peers=["mpi"], op="avg").validate()
+
+
+@pytest.mark.skipif(peers.mpi_available() is not None, reason=str(peers.mpi_available()))
+def test_peer_mpi_side_by_side():
+    rows = bench.run(BenchConfig(collectives=["allreduce", "reduce_scatter", "scatter"],
+                                 sizes=[4096], nranks=2, transport="shm", peers=["mpi"],
+                                 root=1, quiet=True, **QUICK))
+    assert [r["library"] for r in rows] == ["minicomm", "mpi"] * 3
+    assert _all_wrong(rows) == 0
+    for r in rows[1::2]:
+        assert r["ratio"] > 0 and r["ip_ratio"] > 0 and r["transport"] == "mpich"
+
+
+@pytest.mark.skipif(peers.gloo_available() is not None, reason=str(peers.gloo_available()))
+def test_peer_gloo_side_by_side():
+    rows = bench.run(BenchConfig(collectives=["allgather", "alltoall", "gather"], sizes=[4096],
+                                 nranks=2, transport="shm", peers=["gloo"], quiet=True, **QUICK))
+    assert [r["library"] for r in rows] == ["minicomm", "gloo"] * 3
+    assert _all_wrong(rows) == 0
+    a2a = rows[3]
+    assert a2a["ratio"] > 0 and a2a["ip_time_us"] is None       # gloo has no in-place alltoall
