@@ -529,6 +529,7 @@ def _rows(cfg, case, comm, runners, placements, med, wrong, iters_used, batch_ti
         row = dict(collective=case.collective, library=r.library, algo=r.describe(case),
                    nranks=case.n, nodes=cfg.nodes,
                    transport=cfg.transport if r.library == "minicomm" else r.transport,
+                   run_transport=cfg.transport,
                    size=case.size, count=case.count, type=NCCL_TYPE[case.dtype],
                    redop=cfg.op if case.collective in REDUCING else "none",
                    root=cfg.root if case.collective in ROOTED else -1)
@@ -616,7 +617,8 @@ def footer(rows: List[dict]) -> str:
 
 
 # ------------------------------------------------------------------------ outputs
-CSV_FIELDS = ("collective", "library", "algo", "nranks", "nodes", "transport", "size", "count",
+CSV_FIELDS = ("collective", "library", "algo", "nranks", "nodes", "transport", "run_transport",
+              "size", "count",
               "type", "redop", "root", "time_us", "algbw", "busbw", "wrong", "ratio", "iters",
               "ip_time_us", "ip_algbw", "ip_busbw", "ip_wrong", "ip_ratio", "ip_iters")
 
@@ -646,21 +648,25 @@ def _series_label(row: dict) -> str:
 
 def plot(rows: List[dict], path: str, title: str = "") -> None:
     """busbw (out-of-place) against size, one line per algorithm and peer; one panel per
-    collective (barrier, which moves no data, is left out)."""
+    (collective, world size, nodes, minicomm's transport), so rows of several runs can share a
+    figure. Barrier, which moves no data, is left out."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise BenchError("--plot needs matplotlib: pip install 'minicomm[plot]'") from None
-    colls = [c for c in dict.fromkeys(r["collective"] for r in rows) if c != "barrier"]
-    if not colls:
+
+    def panel(r):
+        return (r["collective"], r["nranks"], r["nodes"], r["run_transport"])
+    keys = list(dict.fromkeys(panel(r) for r in rows if r["collective"] != "barrier"))
+    if not keys:
         raise BenchError("--plot: nothing to plot (barrier moves no data)")
-    cols = min(3, len(colls))
-    nrows = math.ceil(len(colls) / cols)
+    cols = min(3, len(keys))
+    nrows = math.ceil(len(keys) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.9 * nrows), squeeze=False)
-    for ax, coll in zip(axes.flat, colls):
-        sub = [r for r in rows if r["collective"] == coll and r.get("busbw") is not None]
+    for ax, key in zip(axes.flat, keys):
+        sub = [r for r in rows if panel(r) == key and r.get("busbw") is not None]
         for label in dict.fromkeys(_series_label(r) for r in sub):
             pts = sorted((r["size"], r["busbw"]) for r in sub if _series_label(r) == label)
             peer = not label.startswith("minicomm")
@@ -669,8 +675,8 @@ def plot(rows: List[dict], path: str, title: str = "") -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("size (bytes)")
         ax.set_ylabel("busbw (GB/s)")
-        first = sub[0] if sub else {"nranks": "?", "transport": "?"}
-        ax.set_title(f"{coll}, n={first['nranks']}, {first['transport']}")
+        nodes = f", {key[2]} nodes" if key[2] > 1 else ""
+        ax.set_title(f"{key[0]}, n={key[1]}{nodes}, minicomm over {key[3]}", fontsize=10)
         ticks = sorted({r["size"] for r in sub})
         if len(ticks) > 8:
             ticks = ticks[::math.ceil(len(ticks) / 8)]
@@ -678,7 +684,7 @@ def plot(rows: List[dict], path: str, title: str = "") -> None:
         ax.set_xticklabels([format_size(t) for t in ticks], fontsize=7)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(colls):]:
+    for ax in list(axes.flat)[len(keys):]:
         ax.set_visible(False)
     if title:
         fig.suptitle(title, fontsize=9)
@@ -796,6 +802,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-e", "--maxbytes", default="1M", help="largest size")
     p.add_argument("-f", "--stepfactor", type=float, default=4.0, help="size multiplier")
     p.add_argument("-i", "--stepbytes", default="0", help="fixed size increment (instead of -f)")
+    p.add_argument("--sizes", default=None,
+                   help="comma list of sizes (e.g. 8,1M,64M) instead of -b/-e/-f/-i")
     p.add_argument("-n", "--nranks", type=int, default=None,
                    help="ranks to start (default 2; inside `minicomm run`: the job's)")
     p.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "inproc"])
@@ -829,8 +837,11 @@ def config_from_args(a) -> BenchConfig:
     if a.tune and a.algorithms == "auto":
         algos = list(FAMILIES)         # --tune measures every algorithm unless told otherwise
     try:
-        sizes = size_steps(parse_size(a.minbytes), parse_size(a.maxbytes), a.stepfactor,
-                           parse_size(a.stepbytes))
+        if a.sizes:
+            sizes = [parse_size(x) for x in a.sizes.split(",") if x.strip()]
+        else:
+            sizes = size_steps(parse_size(a.minbytes), parse_size(a.maxbytes), a.stepfactor,
+                               parse_size(a.stepbytes))
     except ValueError as e:
         raise BenchError(str(e)) from None
     return BenchConfig(collectives=colls, sizes=sizes,

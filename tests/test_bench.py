@@ -165,7 +165,7 @@ def test_cli_processes_over_shm_write_csv_and_json(tmp_path):
 
 def test_cli_inside_minicomm_run():
     p = subprocess.run([sys.executable, "-m", "minicomm.cli", "run", "-n", "2", "--",
-                        "-m", "minicomm.cli", "bench", "reduce_scatter", "-b", "1K", "-e", "1K",
+                        "-m", "minicomm.cli", "bench", "reduce_scatter", "--sizes", "1K,8",
                         "--iters", "1", "--warmup", "1", "--batches", "1"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
