@@ -111,7 +111,7 @@ def _auto_vs_best(rows):
         best = min(fixed, key=lambda r: r["time_us"])
         ratio = auto["time_us"] / best["time_us"]
         if ratio > worst[0]:
-            worst = (ratio, f"{size} B: auto {auto['algo']} vs {best['algo']}")
+            worst = (ratio, f"{size} B: {auto['algo']} vs {best['algo']}")
     return worst
 
 
@@ -135,7 +135,7 @@ def table(rows: dict, mem: list) -> str:
         add(f"shm {coll} 64 MiB, n=2", big, coll, 64 * MiB, "≥ 1.0× MPICH")
     add("shm allreduce 8 B, n=4 (2 cores)", n4, "allreduce", 8, "≤ 100 us")
     add("shm allreduce 64 MiB, n=4 (2 cores)", n4, "allreduce", 64 * MiB, "≥ 1.0× MPICH")
-    add("tcp allreduce 64 MiB, n=2 (MPICH over its netmod)", tcp, "allreduce", 64 * MiB,
+    add("tcp allreduce 64 MiB, n=2 (MPICH over UCX tcp)", tcp, "allreduce", 64 * MiB,
         "busbw ≥ 1.5× gloo")
     add("tcp allreduce 8 B, n=2", tcp, "allreduce", 8, "≤ 0.5× gloo")
     for name, rs in (("n=2", n2), ("n=4", n4)):

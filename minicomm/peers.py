@@ -96,7 +96,9 @@ class MpiRunner:
         self.MPI, self.c = MPI, mpi_comm
         self.version = MPI.Get_library_version().splitlines()[0].strip() + \
             f", mpi4py {__import__('mpi4py').__version__}"
-        self.transport = "mpich-netmod" if os.environ.get("MPIR_CVAR_NOLOCAL") == "1" else "mpich"
+        self.transport = "mpich-tcp" if os.environ.get("MPIR_CVAR_NOLOCAL") == "1" else "mpich"
+        if self.transport == "mpich-tcp":
+            self.version += f" over TCP (MPIR_CVAR_NOLOCAL=1, UCX_TLS={os.environ.get('UCX_TLS')})"
         self.mpi_op = getattr(MPI, MPI_OPS[cfg.op])
 
     def describe(self, case) -> str:
@@ -296,8 +298,12 @@ def run_under_mpiexec(cfg: BenchConfig) -> List[dict]:
                MINICOMM_JOB_TOKEN=token.hex(), MINICOMM_JOB_ID=job_id,
                MINICOMM_TRANSPORT=cfg.transport, PYTHONUNBUFFERED="1")
     if cfg.transport == "tcp":
-        # compare like with like: MPICH between ranks over its network module, not shared memory
+        # Compare like with like: MPICH between ranks over TCP, not shared memory. NOLOCAL sends
+        # local peers through the network module; that module (UCX by default in the mpich
+        # wheel, or libfabric) would still pick shared memory unless told to use TCP.
         env.setdefault("MPIR_CVAR_NOLOCAL", "1")
+        env.setdefault("UCX_TLS", "tcp,self")
+        env.setdefault("FI_PROVIDER", "tcp")
     cmd = [mpiexec, "-n", str(cfg.nranks), sys.executable, "-m", "minicomm.peers", cfg_path,
            out_path]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
