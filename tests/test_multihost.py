@@ -191,7 +191,8 @@ def test_every_collective_and_algorithm_across_hosts(netns_cluster, tmp_path, la
     for node, slots in enumerate(layout):
         for local in range(slots):
             r = reports[rank]
-            assert (r["size"], r["host"], r["node"], r["local_rank"]) == (size, c.names[node], node, local)
+            assert (r["size"], r["host"], r["node"], r["local_rank"]) == (
+                size, c.names[node], node, local)
             assert r["transports"] == _expected_transports(layout, rank)
             assert r["algorithms"] == ["ring", "tree", "rhd", "hier", "auto"]
             rank += 1
