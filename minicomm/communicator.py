@@ -33,6 +33,7 @@ from .transports.base import Tag
 from .tuning import LinkModel, choose, parse_algo_env
 
 DEFAULT_TIMEOUT = 300.0
+_new_tag = tuple.__new__               # Tag(...) without the namedtuple's Python-level __new__
 _P2P_CONTEXT = 1 << 40        # p2p traffic of communicator c uses context c | _P2P_CONTEXT
 _P2P_HEADER = 256             # bytes of the header message that precedes every send()
 
@@ -63,6 +64,15 @@ class Work:
     result = wait
 
 
+class _Call:
+    """What ``_prepare`` derives from a call's signature (see there)."""
+    __slots__ = ("algo", "call", "plan", "kernel", "rooted", "label", "requested")
+
+    def __init__(self, algo, call, plan, kernel, rooted, label, requested):
+        self.algo, self.call, self.plan, self.kernel = algo, call, plan, kernel
+        self.rooted, self.label, self.requested = rooted, label, requested
+
+
 class Communicator:
     """A group of ranks that run collectives together. Create with ``mc.spawn`` or ``mc.init``."""
 
@@ -85,6 +95,7 @@ class Communicator:
         # "header": tags checked on every message, plus a fingerprint exchange before rooted
         # collectives; "full" (MINICOMM_DEBUG=detail): a fingerprint exchange before every call.
         self.check = check or ("full" if debug == "detail" else "header")
+        self._calls: Dict[Tuple, _Call] = {}
         self.link_model = link_model or LinkModel.for_transports("shm", "tcp")
         self._algo_env = parse_algo_env()
         self._owner = _owner
@@ -107,6 +118,15 @@ class Communicator:
     def __repr__(self):
         return (f"<Communicator rank {self.rank}/{self.size} node {self.node}/{self.num_nodes} "
                 f"transport={getattr(self.transport, 'name', '?')} id={self.comm_id}>")
+
+    @property
+    def link_model(self) -> LinkModel:
+        return self._link_model
+
+    @link_model.setter
+    def link_model(self, model: LinkModel) -> None:
+        self._link_model = model
+        self._calls.clear()           # cached algorithm choices followed the old model
 
     # ------------------------------------------------------------------ infrastructure
     def _log(self, msg: str) -> None:
@@ -194,7 +214,7 @@ class Communicator:
         everyone = np.empty(3 * self.size, dtype=np.int64)
         plan = self._plan("allgather", "rhd", 3, 0)
         tag = Tag(self.comm_id, seq, 0, pack_call("fingerprint", "none", "none", np.int64, -1), 3)
-        bufs = {"in": mine, "out": everyone, "tmp": self._tmp(np.dtype(np.int64), plan.schedule.tmp_count)}
+        bufs = (mine, everyone, self._tmp(np.dtype(np.int64), plan.tmp_count))
         run_plan(plan, self.transport, bufs, _ops.get_kernel("sum"), tag, self._deadline(),
                  f"fingerprint check of call #{seq + 1}")
         rows = everyone.reshape(self.size, 3)
@@ -211,27 +231,50 @@ class Communicator:
         self._seq += 1
         return self._seq
 
+    def _prepare(self, coll: str, op: str, algorithm: Optional[str], dtype: np.dtype,
+                 count: int, root: int) -> "_Call":
+        """Everything about a call that its arguments determine, computed once per signature:
+        calls repeat, and choosing, packing and plan lookup cost more than a small message."""
+        key = (coll, op, algorithm, dtype, count, root)
+        c = self._calls.get(key)
+        if c is None:
+            algo = self._resolve_algorithm(coll, algorithm, count * dtype.itemsize)
+            c = _Call(
+                algo=algo,
+                call=pack_call(coll, op, algo, dtype, root if coll in ROOTED else -1),
+                plan=self._plan(coll, algo, count, root),
+                kernel=_ops.get_kernel(op) if op != "none" else None,
+                rooted=coll in ROOTED,
+                label=f"({algo})", requested=algorithm not in (None, "auto"))
+            if len(self._calls) > 1024:
+                self._calls.clear()
+            self._calls[key] = c
+        return c
+
     def _execute(self, coll: str, inb: np.ndarray, outb: np.ndarray, count: int, op: str,
                  root: int, algorithm: Optional[str], shape: Tuple[int, ...],
                  fingerprint: bool = True) -> None:
         dtype = outb.dtype if outb is not None else inb.dtype
-        algo = self._resolve_algorithm(coll, algorithm, count * dtype.itemsize)
-        call = pack_call(coll, op, algo, dtype, root if coll in ROOTED else -1)
+        c = self._calls.get((coll, op, algorithm, dtype, count, root)) \
+            or self._prepare(coll, op, algorithm, dtype, count, root)
         # Headers catch a disagreement whenever the disagreeing ranks exchange a message. Ranks
         # that disagree on the *root* may never do so (each "root" only sends): rooted calls
         # therefore always exchange fingerprints first; check="full" does it for every call.
-        if self.size > 1 and fingerprint and (self.check == "full" or coll in ROOTED):
-            self._fingerprint_check(call, count, shape)
-        seq = self._next_seq()
-        plan = self._plan(coll, algo, count, root)
-        self._log(f"{coll} #{seq} count={count} dtype={dtype} -> {algo} "
-                  f"({'requested' if algorithm not in (None, 'auto') else 'auto'})")
-        bufs = {"in": inb, "out": outb, "tmp": self._tmp(dtype, plan.schedule.tmp_count)}
-        kernel = _ops.get_kernel(op) if op != "none" else None
-        tag = Tag(self.comm_id, seq, 0, call, count)
+        if fingerprint and self.size > 1 and (c.rooted or self.check == "full"):
+            self._fingerprint_check(c.call, count, shape)
+        self._seq += 1
+        seq = self._seq
+        if self.debug_info:
+            self._log(f"{coll} #{seq} count={count} dtype={dtype} -> {c.algo} "
+                      f"({'requested' if c.requested else 'auto'})")
+        plan = c.plan
+        tmp = self._scratch.get(dtype)
+        if tmp is None or tmp.size < plan.tmp_count:
+            tmp = self._tmp(dtype, plan.tmp_count)
         try:
-            run_plan(plan, self.transport, bufs, kernel, tag, self._deadline(),
-                     f"{coll} #{seq} ({algo})")
+            run_plan(plan, self.transport, (inb, outb, tmp[:plan.tmp_count]), c.kernel,
+                     _new_tag(Tag, (self.comm_id, seq, 0, c.call, count)),
+                     time.monotonic() + self.timeout, f"{coll} #{seq} {c.label}")
         except MismatchError as e:
             # Peers may be blocked on us: make them fail now with the same verdict.
             self.transport.abort(f"MismatchError: {e}")
@@ -244,6 +287,9 @@ class Communicator:
     # ------------------------------------------------------------------ argument helpers
     @staticmethod
     def _flat_in(x) -> Tuple[np.ndarray, np.ndarray]:
+        if type(x) is np.ndarray and x.ndim == 1 and x.flags.c_contiguous \
+                and x.dtype.kind in "biufc":
+            return x, x                       # the common case: nothing to convert
         arr = np.asarray(x)
         if arr.dtype.kind not in "biufc":
             raise TypeError(f"minicomm moves numeric and bool arrays, got dtype {arr.dtype}")
@@ -253,7 +299,7 @@ class Communicator:
     def _make_out(out, shape, dtype, name: str) -> Tuple[np.ndarray, np.ndarray]:
         if out is None:
             res = np.empty(shape, dtype=dtype)
-            return res, res.reshape(-1)
+            return res, (res if len(shape) == 1 else res.reshape(-1))
         if not isinstance(out, np.ndarray):
             raise TypeError(f"{name}: out= must be a numpy array")
         if out.shape != tuple(shape) or out.dtype != dtype:
@@ -261,7 +307,7 @@ class Communicator:
                              f"{tuple(shape)} {dtype}")
         if not out.flags.c_contiguous:
             raise ValueError(f"{name}: out= must be C-contiguous")
-        return out, out.reshape(-1)
+        return out, (out if out.ndim == 1 else out.reshape(-1))
 
     def _check_root(self, root: int, name: str) -> int:
         if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
@@ -275,8 +321,12 @@ class Communicator:
         return arr.shape[1:]
 
     @staticmethod
-    def _separate(inflat: np.ndarray, outflat: np.ndarray) -> np.ndarray:
-        # Schedules never write 'in' but may read it after writing 'out': keep them distinct.
+    def _separate(inflat: np.ndarray, outflat: np.ndarray, out) -> np.ndarray:
+        """``inflat``, or a copy of it if it overlaps ``outflat``: schedules never write 'in' but
+        may read it after writing 'out'. ``out`` is the caller's out= (None: ``outflat`` is a
+        fresh array, which cannot overlap)."""
+        if out is None:
+            return inflat
         return inflat.copy() if np.shares_memory(inflat, outflat) else inflat
 
     def _finish_avg(self, op: str, outflat: np.ndarray) -> None:
@@ -289,7 +339,7 @@ class Communicator:
         arr, inflat = self._flat_in(x)
         _ops.check_dtype(op, arr.dtype)
         res, outflat = self._make_out(out, arr.shape, arr.dtype, "allreduce")
-        inflat = self._separate(inflat, outflat)
+        inflat = self._separate(inflat, outflat, out)
 
         def run():
             self._execute("allreduce", inflat, outflat, inflat.size, op, 0, algorithm, arr.shape)
@@ -306,7 +356,7 @@ class Communicator:
             res, outflat = self._make_out(out, arr.shape, arr.dtype, "reduce")
         else:
             res, outflat = None, np.empty(inflat.size, dtype=arr.dtype)
-        inflat = self._separate(inflat, outflat)
+        inflat = self._separate(inflat, outflat, out)
 
         def run():
             self._execute("reduce", inflat, outflat, inflat.size, op, root, algorithm, arr.shape)
@@ -319,7 +369,7 @@ class Communicator:
         root = self._check_root(root, "broadcast")
         arr, inflat = self._flat_in(x)
         res, outflat = self._make_out(out, arr.shape, arr.dtype, "broadcast")
-        inflat = self._separate(inflat, outflat) if self.rank == root else inflat
+        inflat = self._separate(inflat, outflat, out) if self.rank == root else inflat
 
         def run():
             self._execute("broadcast", inflat, outflat, inflat.size, "none", root, algorithm, arr.shape)
@@ -329,7 +379,7 @@ class Communicator:
     def allgather(self, x, algorithm="auto", out=None, async_op=False):
         arr, inflat = self._flat_in(x)
         res, outflat = self._make_out(out, (self.size,) + arr.shape, arr.dtype, "allgather")
-        inflat = self._separate(inflat, outflat)
+        inflat = self._separate(inflat, outflat, out)
 
         def run():
             self._execute("allgather", inflat, outflat, inflat.size, "none", 0, algorithm, arr.shape)
@@ -343,7 +393,7 @@ class Communicator:
             res, outflat = self._make_out(out, (self.size,) + arr.shape, arr.dtype, "gather")
         else:
             res, outflat = None, np.empty(self.size * inflat.size, dtype=arr.dtype)
-        inflat = self._separate(inflat, outflat)
+        inflat = self._separate(inflat, outflat, out)
 
         def run():
             self._execute("gather", inflat, outflat, inflat.size, "none", root, algorithm, arr.shape)
@@ -356,7 +406,7 @@ class Communicator:
         _ops.check_dtype(op, arr.dtype)
         block = self._blocked(arr, "reduce_scatter")
         res, outflat = self._make_out(out, block, arr.dtype, "reduce_scatter")
-        inflat = self._separate(inflat, outflat)
+        inflat = self._separate(inflat, outflat, out)
         count = inflat.size // self.size
 
         def run():
@@ -369,7 +419,7 @@ class Communicator:
         arr, inflat = self._flat_in(x)
         self._blocked(arr, "alltoall")
         res, outflat = self._make_out(out, arr.shape, arr.dtype, "alltoall")
-        inflat = self._separate(inflat, outflat)
+        inflat = self._separate(inflat, outflat, out)
         count = inflat.size // self.size
 
         def run():
@@ -395,7 +445,7 @@ class Communicator:
             res, outflat = self._make_out(out, block, dtype, "scatter")
             count = outflat.size
             if self.rank == root:
-                src = self._separate(inflat, outflat)
+                src = self._separate(inflat, outflat, out)
             else:
                 src = np.empty(0, dtype=dtype)
             shape = (self.size,) + tuple(block)

@@ -12,12 +12,15 @@ import numpy as np
 
 SUM, PROD, MIN, MAX, AVG, BAND, BOR, BXOR = "sum", "prod", "min", "max", "avg", "band", "bor", "bxor"
 OPS = (SUM, PROD, MIN, MAX, AVG, BAND, BOR, BXOR)
+_OPSET = frozenset(OPS)
 
 _UFUNC = {SUM: np.add, AVG: np.add, PROD: np.multiply, MIN: np.minimum, MAX: np.maximum,
           BAND: np.bitwise_and, BOR: np.bitwise_or, BXOR: np.bitwise_xor}
 
 
 def normalize(op) -> str:
+    if type(op) is str and op in _OPSET:
+        return op
     name = str(op).lower()
     if name not in OPS:
         raise ValueError(f"unknown reduction op {op!r}; choose one of {', '.join(OPS)}")
@@ -26,6 +29,8 @@ def normalize(op) -> str:
 
 def check_dtype(op: str, dtype: np.dtype) -> None:
     """TypeError for combinations that have no meaning (bitwise on floats, avg on integers)."""
+    if (op, dtype) in _VALID:
+        return
     dtype = np.dtype(dtype)
     if op in (BAND, BOR, BXOR) and dtype.kind not in "biu":
         raise TypeError(f"op {op!r} needs an integer or bool dtype, got {dtype}")
@@ -35,6 +40,10 @@ def check_dtype(op: str, dtype: np.dtype) -> None:
         raise TypeError(f"op {op!r} is not defined for complex dtype {dtype}")
     if dtype.kind not in "biufc":
         raise TypeError(f"dtype {dtype} cannot be reduced")
+    _VALID.add((op, dtype))
+
+
+_VALID: set = set()     # (op, dtype) pairs already checked: calls repeat them
 
 
 def ufunc(op: str) -> np.ufunc:
@@ -47,6 +56,7 @@ def kernel(op: str) -> Callable[[np.ndarray, np.ndarray], None]:
 
     def reduce_inplace(dst: np.ndarray, src: np.ndarray) -> None:
         uf(dst, src, out=dst)
+    reduce_inplace.ufunc = uf         # for kernels that write a third array (executor fusion)
     return reduce_inplace
 
 

@@ -41,6 +41,8 @@ from .base import ReduceFn, Request, Tag, check_tag
 
 EDGE = select.EPOLLIN | select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
 SPIN_S = 50e-6                        # spin about one blocking wake-up's cost, then sleep
+HOT_SPIN_S = 4e-6                     # poll without yielding first: the peer is usually running
+_U8 = np.dtype(np.uint8)
 
 _fence_lock = threading.Lock()
 
@@ -60,11 +62,14 @@ class Req(Request):
 
     def __init__(self, engine, peer: int, buf: np.ndarray, tag: Tag,
                  reduce: Optional[ReduceFn], is_send: bool):
-        super().__init__(peer, buf, tag, reduce, is_send)
+        # Fields set here rather than through Request.__init__: this runs twice per message.
+        self.peer, self.buf, self.tag, self.reduce, self.is_send = peer, buf, tag, reduce, is_send
+        self.done = False
         if not buf.flags.c_contiguous:
             raise ValueError("transport buffers must be contiguous")
         self.engine = engine
-        self.u8 = buf.reshape(-1).view(np.uint8)   # the bytes this request moves, no copy
+        # the bytes this request moves, no copy (1-D buffers, the executor's, skip the reshape)
+        self.u8 = (buf if buf.ndim == 1 else buf.reshape(-1)).view(_U8)
         self.nbytes = buf.nbytes
         self.off = 0                               # bytes moved so far
         self.hdr = None                            # engine-specific (tcp: the framed header)
@@ -98,34 +103,45 @@ class Inbox:
 
     def post(self, req: Req) -> None:
         """Match ``req`` against an unexpected message of its communicator, or queue it."""
-        q = self.unexpected.get(req.tag.comm)
-        if q:
-            u = q.popleft()
-            if u.off == u.nbytes:
-                self.deliver_unexpected(u, req)
-            else:
-                u.claim = req         # still arriving: handed over when complete
-            return
-        self.posted.setdefault(req.tag.comm, deque()).append(req)
+        comm = req.tag[0]
+        if self.unexpected:
+            q = self.unexpected.get(comm)
+            if q:
+                u = q.popleft()
+                if u.off == u.nbytes:
+                    self.deliver_unexpected(u, req)
+                else:
+                    u.claim = req     # still arriving: handed over when complete
+                return
+        q = self.posted.get(comm)
+        if q is None:
+            q = self.posted[comm] = deque()
+        q.append(req)
         self.n_posted += 1
 
     def match(self, tag: Tag, nbytes: int):
         """Target for a message whose header just arrived: the oldest receive posted for its
         communicator, an ``Unexpected`` if it blocks receives of other communicators, or None
         (leave it where it is until its receive is posted: no copy)."""
-        q = self.posted.get(tag.comm)
+        return self.match_header(tag[0], tag[1], tag[2], tag[3], tag[4], nbytes)
+
+    def match_header(self, comm: int, seq: int, step: int, call: int, count: int, nbytes: int):
+        """``match`` on the header's fields: the common case builds no ``Tag``."""
+        q = self.posted.get(comm)
         if q:
             req = q.popleft()
             self.n_posted -= 1
+            t = req.tag
+            if t[1] == seq and t[3] == call and t[4] == count and req.nbytes == nbytes:
+                return req
             try:
-                check_tag(self.peer, req.tag, tag, req.nbytes, nbytes)
+                check_tag(self.peer, t, Tag(comm, seq, step, call, count), req.nbytes, nbytes)
             except CommError as e:
                 self.error = e
-                return None
-            return req
+            return None
         if self.n_posted:
-            u = Unexpected(tag, nbytes)
-            self.unexpected.setdefault(tag.comm, deque()).append(u)
+            u = Unexpected(Tag(comm, seq, step, call, count), nbytes)
+            self.unexpected.setdefault(comm, deque()).append(u)
             return u
         return None
 
@@ -154,11 +170,18 @@ def deliver(target, off: int, src_u8: np.ndarray) -> None:
     For reduce, ``off`` and ``len(src_u8)`` are whole elements (transports chunk accordingly)."""
     n = src_u8.shape[0]
     if target.reduce is None:
-        target.u8[off:off + n] = src_u8
+        if n == target.nbytes:
+            target.u8[...] = src_u8           # the whole message: no slice to build
+        else:
+            target.u8[off:off + n] = src_u8
     else:
-        isz = target.buf.itemsize
-        dst = target.buf.reshape(-1)[off // isz:(off + n) // isz]
-        target.reduce(dst, src_u8.view(target.buf.dtype))
+        buf = target.buf
+        if n == target.nbytes and buf.ndim == 1:
+            dst = buf
+        else:
+            isz = buf.itemsize
+            dst = buf.reshape(-1)[off // isz:(off + n) // isz]
+        target.reduce(dst, src_u8.view(buf.dtype))
 
 
 class Progress:
@@ -172,6 +195,7 @@ class Progress:
         self.spin = False             # spin before blocking: some engine polls memory
         self._handlers: Dict[int, Callable[[int], None]] = {}
         self._polling = False
+        self._waiters = 0             # threads in cv.wait: notify only when there are some
         self._closed = False
 
     def attach(self, engine, spin: bool) -> None:
@@ -208,15 +232,20 @@ class Progress:
         return moved
 
     def wait(self, reqs: List[Req], deadline: float, what: str) -> None:
-        started = spin_until = time.monotonic()
-        if self.spin:
-            spin_until += SPIN_S
         lock = self.lock
+        started = time.monotonic()
+        # Poll without yielding for a few microseconds (the peer usually runs on the other core
+        # and answers within that; a yield would hand our core to whatever else is runnable),
+        # then poll with os.sched_yield (ranks sharing a core hand it over), then block.
+        hot_until = spin_until = started
+        if self.spin:
+            hot_until += HOT_SPIN_S
+            spin_until += SPIN_S
         while True:
             lock.acquire()
             try:
                 moved = self._pass()
-                if moved:
+                if moved and self._waiters:
                     self.cv.notify_all()          # another thread's requests may be done
                 pending = None
                 for r in reqs:
@@ -235,12 +264,17 @@ class Progress:
                 if self._closed:
                     raise CommError(f"{what}: transport is closed")
                 if moved:
-                    spin_until = now + SPIN_S if self.spin else now
+                    if self.spin:
+                        hot_until, spin_until = now + HOT_SPIN_S, now + SPIN_S
                     continue
                 if now < spin_until:
                     block = False
                 elif self._polling:
-                    self.cv.wait(left)            # the poller notifies after every wake-up
+                    self._waiters += 1
+                    try:
+                        self.cv.wait(left)        # the poller notifies after every wake-up
+                    finally:
+                        self._waiters -= 1
                     continue
                 else:
                     for e in self.engines:
@@ -249,14 +283,16 @@ class Progress:
                     if self._pass():              # arrived before our flag was visible
                         for e in self.engines:
                             e.sleep(False)
-                        self.cv.notify_all()
+                        if self._waiters:
+                            self.cv.notify_all()
                         continue
                     self._polling = True
                     block = True
             finally:
                 lock.release()
             if not block:
-                os.sched_yield()
+                if now >= hot_until:
+                    os.sched_yield()
                 continue
             events = ()
             try:
@@ -272,9 +308,12 @@ class Progress:
                         h = self._handlers.get(fd)
                         if h is not None:
                             h(ev)
-                    self.cv.notify_all()
+                    if self._waiters:
+                        self.cv.notify_all()
             # after a wake-up, spin again: the next message often follows closely
-            spin_until = time.monotonic() + SPIN_S if self.spin else 0.0
+            if self.spin:
+                now = time.monotonic()
+                hot_until, spin_until = now + HOT_SPIN_S, now + SPIN_S
 
 
 def _timeout(pending: Req, reqs: List[Req], what: str, waited: float) -> CommTimeout:

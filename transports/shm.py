@@ -122,10 +122,6 @@ def _default_ring_bytes(npeers: int) -> int:
     return ring
 
 
-def _round64(n: int) -> int:
-    return (n + 63) & ~63
-
-
 class _Peer:
     """Both directions with one peer: the outbound ring (in the peer's segment), the inbound ring
     (in ours), the doorbell socket, and the receive matching."""
@@ -271,12 +267,13 @@ class ShmTransport(Transport):
                              f"(shm peers: {self.peer_ranks})") from None
 
     def isend(self, peer: int, buf: np.ndarray, tag: Tag) -> Request:
-        p = self._peer(peer)
+        p = self._peers.get(peer) or self._peer(peer)
         req = Req(self, peer, buf, tag, None, True)
         with self._lock:
-            p.txq.append(req)
+            q = p.txq
+            q.append(req)
             self._active[p] = None
-            if len(p.txq) == 1 and p.closed is None:
+            if len(q) == 1 and p.closed is None:
                 self._push(p)         # eager: a small message is in the ring before wait_all
                 if p.owed:
                     fence()
@@ -285,7 +282,7 @@ class ShmTransport(Transport):
 
     def irecv(self, peer: int, buf: np.ndarray, tag: Tag,
               reduce: Optional[ReduceFn] = None) -> Request:
-        p = self._peer(peer)
+        p = self._peers.get(peer) or self._peer(peer)
         req = Req(self, peer, buf, tag, reduce, False)
         with self._lock:
             p.inbox.post(req)
@@ -297,18 +294,21 @@ class ShmTransport(Transport):
 
     def progress(self) -> bool:
         """One non-blocking pass over every peer with work (called under the progress lock)."""
+        active = self._active
+        if not active:
+            return False
         moved = False
-        active = list(self._active)
-        for p in active:
+        peers = list(active)
+        for p in peers:
             if p.txq and p.closed is None and self._push(p):
                 moved = True
             if (p.inbox.n_posted or p.rx_cur is not None) and self._pull(p):
                 moved = True
             if not (p.txq or p.inbox.n_posted or p.rx_cur is not None):
-                del self._active[p]
+                del active[p]
         if moved:
             fence()                   # our head/tail stores before reading their flags
-            for p in active:
+            for p in peers:
                 if p.owed:
                     self._ring_if_sleeping(p)
         return moved
@@ -319,45 +319,51 @@ class ShmTransport(Transport):
 
     def _push(self, p: _Peer) -> bool:
         """Write records of the queued sends into the outbound ring while it has room."""
-        mm, u8, size, data, chunk = p.tx_mm, p.tx_u8, p.tx_size, p.tx_data, p.tx_chunk
+        size, data, chunk = p.tx_size, p.tx_data, p.tx_chunk
         head, tail = p.tx_head, p.tx_tail
         moved = False
         q = p.txq
         while q:
             req = q[0]
             off = req.off
-            want = min(req.nbytes - off, chunk)
+            nbytes = req.nbytes
+            want = nbytes - off
+            if want > chunk:
+                want = chunk
             pos = head % size
             contig = size - pos
-            free = size - (head - tail)
-            fit = min(free, contig) - HDR
+            free = size - head + tail
+            fit = (free if free < contig else contig) - HDR
             if fit >= want:
                 c = want
             elif fit >= PAGE:
                 c = fit - fit % PAGE  # not the last chunk: keep it a whole number of pages
             elif contig <= free:
-                _HDR.pack_into(mm, data + pos, 0, 0, 0, 0, 0, 0, 0, -1)   # wrap marker
+                _HDR.pack_into(p.tx_mm, data + pos, 0, 0, 0, 0, 0, 0, 0, -1)   # wrap marker
                 head += contig
                 continue
             else:
                 tail = p.tx_q[_TAIL]
-                if size - (head - tail) == free:
+                if size - head + tail == free:
                     break             # ring full: the receiver's doorbell will wake us
                 continue
             h = data + pos
             t = req.tag
-            _HDR.pack_into(mm, h, t[0], t[1], t[2], t[3], t[4], req.nbytes, off, c)
-            if c:
-                u8[h + HDR:h + HDR + c] = req.u8[off:off + c]
-            head += HDR + _round64(c)
+            _HDR.pack_into(p.tx_mm, h, t[0], t[1], t[2], t[3], t[4], nbytes, off, c)
+            if c == nbytes:
+                p.tx_u8[h + HDR:h + HDR + c] = req.u8
+            elif c:
+                p.tx_u8[h + HDR:h + HDR + c] = req.u8[off:off + c]
+            head += HDR + ((c + 63) & ~63)
             p.tx_q[_HEAD] = head      # publish the record
-            req.off = off + c
             moved = True
             p.owed = True
             if c >= EARLY_RING:       # a sleeping receiver starts on this chunk now
                 fence()
                 self._ring_if_sleeping(p)
-            if req.off == req.nbytes:
+            off += c
+            req.off = off
+            if off == nbytes:
                 req.done = True
                 q.popleft()
         p.tx_head, p.tx_tail = head, tail
@@ -382,19 +388,23 @@ class ShmTransport(Transport):
                 continue
             target = p.rx_cur
             if target is None:
-                target = ib.match(Tag(comm, seq, step, call, count), total)
+                target = ib.match_header(comm, seq, step, call, count, total)
                 if target is None:
                     break             # its receive is not posted yet: leave it in the ring
                 p.rx_cur = target
             if c:
                 deliver(target, off, u8[h + HDR:h + HDR + c])
-            tail += HDR + _round64(c)
+            tail += HDR + ((c + 63) & ~63)
             p.rx_q[_TAIL] = tail      # hand the space back at once
-            target.off = off + c
+            off += c
+            target.off = off
             moved = True
-            if target.off == total:
+            if off == total:
                 p.rx_cur = None
-                ib.complete(target)
+                if target.__class__ is Req:
+                    target.done = True
+                else:
+                    ib.complete(target)
         if moved:
             p.owed = True
         p.rx_tail, p.rx_head = tail, head
