@@ -29,7 +29,7 @@ import cloudpickle
 
 from .communicator import Communicator
 from .errors import CommError, PeerFailure, SpawnError
-from .tuning import LinkModel
+from .tuning import LinkModel, agree_link_model
 
 TRANSPORTS = ("auto", "shm", "tcp", "rdma", "ub", "inproc")
 FAILURE_GRACE = 5.0     # seconds the surviving ranks get to notice a failure by themselves
@@ -302,6 +302,12 @@ def connect_world(cfg: Dict[str, Any]) -> Communicator:
     comm = Communicator(t, rank, size, topology=topology, timeout=timeout,
                         link_model=LinkModel.for_transports(intra, inter))
     comm._store, comm._store_server = store, server
+    try:
+        # rank 0's measured (or cached) links and tuned table, so auto agrees on every rank
+        comm.link_model = agree_link_model(comm, intra, inter)
+    except BaseException:
+        comm.close()
+        raise
     if comm.debug_info and hasattr(t, "describe"):
         comm._log(f"transports: {t.describe()}")
     return comm
