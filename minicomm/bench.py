@@ -20,6 +20,11 @@ link-bound ring would need, comparable across collectives and world sizes. For a
 is its time divided by minicomm's (the ``auto`` row when measured, else the fastest algorithm):
 above 1, minicomm is faster.
 
+``--tune`` runs no benchmark: it times every fixed algorithm (those of ``--algorithms``, all by
+default) per collective and size with ``minicomm.tuning.measure_table`` and merges the results
+into the table ``algorithm="auto"`` follows (``tuning.write_table``; its format is documented
+there).
+
 Ranks are started with ``mc.spawn`` (or by mpiexec when the MPI peer is asked for, so MPICH runs
 as its users run it), or the benchmark runs inside ``minicomm run`` when MINICOMM_RANK is set.
 """
@@ -694,76 +699,34 @@ def plot(rows: List[dict], path: str, title: str = "") -> None:
 
 
 # ------------------------------------------------------------------------ --tune
-def tune_path() -> str:
-    base = os.path.join(os.path.expanduser("~"), ".cache", "minicomm")
-    return os.path.join(base, f"tune-{socket.gethostname()}.json")
-
-
-def tune_entries(rows: List[dict]) -> List[dict]:
-    """One entry per (collective, world, nodes, transport, per-call bytes): the median
-    out-of-place time of every fixed algorithm measured, and the fastest. ``nbytes`` is the byte
-    count the call passes (per block for blocked collectives): what algorithm="auto" is asked."""
-    by_key: Dict[Tuple, dict] = {}
-    for r in rows:
-        if r["library"] != "minicomm" or r["algo"].startswith("auto") or r.get("time_us") is None:
-            continue
-        if r.get("wrong"):
-            continue                      # a wrong result is no candidate
-        nbytes = r["count"] * np.dtype(_np_dtype(r["type"])).itemsize
-        key = (r["collective"], r["nranks"], r["nodes"], r["transport"], nbytes)
-        e = by_key.setdefault(key, {"collective": r["collective"], "world": r["nranks"],
-                                    "nbytes": nbytes, "nodes": r["nodes"],
-                                    "transport": r["transport"], "times": {}})
-        e["times"][r["algo"]] = r["time_us"] * 1e-6
-    out = []
-    for e in by_key.values():
-        e["best"] = min(e["times"], key=lambda a: (e["times"][a], a))
-        out.append(e)
-    return out
-
-
-def _np_dtype(nccl_name: str) -> str:
-    return {v: k for k, v in NCCL_TYPE.items()}[nccl_name]
-
-
-def write_tune_file(entries: List[dict], path: str) -> str:
-    """Merge ``entries`` into the JSON table at ``path`` (same key: replaced) and write it
-    atomically. Format: {"version": 1, "hostname", "updated", "entries": [entry, ...]}, entry =
-    {"collective", "world", "nbytes", "best", "times": {algo: seconds}, "nodes", "transport"}."""
-    old: List[dict] = []
-    if os.path.exists(path):
-        try:
-            with open(path) as f:
-                old = json.load(f).get("entries", [])
-        except (OSError, ValueError, AttributeError):
-            old = []          # an unreadable table is rebuilt from this run's measurements
-
-    def key(e):
-        return (e["collective"], e["world"], e.get("nodes", 1), e.get("transport", "auto"),
-                e["nbytes"])
-    merged = {key(e): e for e in old}
-    merged.update({key(e): e for e in entries})
-    doc = {"version": 1, "hostname": socket.gethostname(),
-           "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "entries": sorted(merged.values(), key=key)}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
-    return path
-
-
-def save_tune(rows: List[dict], cfg: BenchConfig, path: Optional[str]) -> str:
-    """Through minicomm.tuning's own writer when it has one, else the format above."""
+def tune(cfg: BenchConfig, path: Optional[str] = None, comm=None) -> Optional[str]:
+    """``--tune``: time every fixed algorithm per (collective, size) with minicomm.tuning's
+    ``measure_table`` (float32 sum, interleaved batches, slowest rank, median) and merge the
+    entries into the table algorithm="auto" follows (``tuning.write_table``). With ``comm``
+    (inside ``minicomm run``) this rank takes part; rank 0 writes. Returns the path (rank 0)."""
     from . import tuning
-    entries = tune_entries(rows)
-    if not entries:
-        raise BenchError("--tune: no fixed algorithm was measured correctly; nothing to write")
-    writer = getattr(tuning, "write_table", None)
-    if writer is not None:
-        return writer(entries, path) if path else writer(entries)
-    return write_tune_file(entries, path or tune_path())
+    algos = [a for a in cfg.algorithms if a != "auto"] or list(FAMILIES)
+    n = comm.size if comm is not None else cfg.nranks
+    target = comm if comm is not None else {"world_size": cfg.nranks,
+                                             "transport": cfg.transport, "nodes": cfg.nodes}
+    entries: List[dict] = []
+    for coll in cfg.collectives:
+        # the table is keyed by the bytes the call passes (per block), not nccl-tests' size
+        sizes = [c.call_nbytes for c in make_cases(coll, cfg.sizes, n, "float32")]
+        entries += tuning.measure_table(target, [coll], sizes, algorithms=algos,
+                                        batch_seconds=cfg.batch_time, batches=cfg.batches,
+                                        max_iters=cfg.max_iters)
+    if comm is not None and comm.rank != 0:
+        return None
+    if not cfg.quiet:
+        print(f"# tuned table: {n} ranks, {cfg.nodes} node(s), transport {cfg.transport}; "
+              f"median us per call of the slowest rank")
+        print(f"# {'collective':>14}  {'bytes':>10}  {'best':>5}" +
+              "".join(f"  {a:>9}" for a in algos))
+        for e in entries:
+            print(f"  {e['collective']:>14}  {e['bytes']:>10}  {e['best']:>5}" +
+                  "".join(f"  {e['seconds'][a] * 1e6:9.2f}" for a in algos))
+    return tuning.write_table(entries, path)
 
 
 # ------------------------------------------------------------------------ driving a run
@@ -778,8 +741,12 @@ def run(cfg: BenchConfig) -> List[dict]:
                  timeout=None)[0]
 
 
-def run_in_launched_job(cfg: BenchConfig) -> Optional[List[dict]]:
-    """Inside `minicomm run` (MINICOMM_RANK set): this process is one rank."""
+_NO_TUNE = object()
+
+
+def run_in_launched_job(cfg: BenchConfig, tune_path=_NO_TUNE):
+    """Inside `minicomm run` (MINICOMM_RANK set): this process is one rank. Runs the benchmark
+    (rank 0 returns the rows), or with ``tune_path`` given (None: the default place) ``tune``."""
     from .launch import init
     if "mpi" in cfg.peers:
         raise BenchError("--peers mpi needs ranks started by mpiexec: run `minicomm bench` "
@@ -790,6 +757,8 @@ def run_in_launched_job(cfg: BenchConfig) -> Optional[List[dict]]:
             raise BenchError(f"-n {cfg.nranks} differs from the job's {comm.size} ranks")
         cfg = dataclasses.replace(cfg, nranks=comm.size, nodes=comm.num_nodes)
         cfg.validate()
+        if tune_path is not _NO_TUNE:
+            return tune(cfg, tune_path, comm)
         return rank_main(comm, cfg)
     finally:
         comm.close()
@@ -825,17 +794,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write the rows and the settings as JSON")
     p.add_argument("--plot", help="write busbw vs size as a PNG (needs matplotlib)")
     p.add_argument("--tune", action="store_true",
-                   help="measure every algorithm and write the table algorithm='auto' follows")
+                   help="instead of the benchmark: time every algorithm per size and write the "
+                        "table algorithm='auto' follows")
     p.add_argument("--tune-file", default=None,
-                   help="where --tune writes (default ~/.cache/minicomm/tune-<hostname>.json)")
+                   help="where --tune writes (default: minicomm.tuning.table_path(), "
+                        "~/.cache/minicomm/tune-<hostname>.json)")
 
 
 def config_from_args(a) -> BenchConfig:
     colls = (list(COLLECTIVES) if a.collective == "all"
              else [c.strip() for c in a.collective.split(",") if c.strip()])
     algos = [x.strip() for x in a.algorithms.split(",") if x.strip()]
-    if a.tune and a.algorithms == "auto":
-        algos = list(FAMILIES)         # --tune measures every algorithm unless told otherwise
     try:
         if a.sizes:
             sizes = [parse_size(x) for x in a.sizes.split(",") if x.strip()]
@@ -857,9 +826,21 @@ def main_from_cli(a) -> int:
     launched = os.environ.get("MINICOMM_RANK") not in (None, "")
     try:
         cfg = config_from_args(a)
+        if launched and a.nranks is None:
+            cfg.nranks = 0                     # the job's size
+        if a.tune:
+            if cfg.peers or a.csv or a.json or a.plot:
+                raise BenchError("--tune writes the tuning table only: drop --peers, --csv, "
+                                 "--json and --plot")
+            if launched:
+                path = run_in_launched_job(cfg, tune_path=a.tune_file)
+            else:
+                cfg.validate()
+                path = tune(cfg, a.tune_file)
+            if path:
+                print(f"# tuning table written to {path}")
+            return 0
         if launched:
-            if a.nranks is None:
-                cfg.nranks = 0
             rows = run_in_launched_job(cfg)
             if rows is None:                   # ranks other than 0 report nothing
                 return 0
@@ -871,8 +852,6 @@ def main_from_cli(a) -> int:
             write_json(rows, cfg, a.json)
         if a.plot:
             plot(rows, a.plot, title=f"minicomm bench, {socket.gethostname()}")
-        if a.tune:
-            print(f"# tuning table written to {save_tune(rows, cfg, a.tune_file)}")
     except BenchError as e:
         print(f"minicomm bench: {e}", file=sys.stderr)
         return 2

@@ -180,24 +180,25 @@ def test_bad_options_exit_cleanly():
     assert p.returncode == 2 and "integer dtype" in p.stderr
 
 
-def test_tune_table_format(tmp_path):
-    rows = bench.run(BenchConfig(collectives=["allreduce", "allgather"], sizes=[8, 4096],
-                                 nranks=2, transport="inproc",
-                                 algorithms=["ring", "rhd", "tree", "hier", "auto"],
-                                 quiet=True, **QUICK))
-    entries = bench.tune_entries(rows)
-    assert len(entries) == 4
-    for e in entries:
-        assert set(e) >= {"collective", "world", "nbytes", "best", "times"}
-        assert set(e["times"]) == {"ring", "rhd", "tree", "hier"}      # auto is no candidate
-        assert e["best"] == min(e["times"], key=e["times"].get)
-        assert e["world"] == 2
+def test_tune_writes_the_table_auto_follows(tmp_path):
+    from minicomm import tuning
     path = tmp_path / "tune-test.json"
-    bench.write_tune_file(entries, str(path))
-    bench.write_tune_file(entries[:1], str(path))       # merges: same keys replaced, not doubled
-    doc = json.loads(path.read_text())
-    assert doc["version"] == 1 and len(doc["entries"]) == 4
-    assert {e["nbytes"] for e in doc["entries"] if e["collective"] == "allgather"} == {4, 4096 // 2}
+    cfg = BenchConfig(collectives=["allreduce", "allgather"], sizes=[8, 4096], nranks=2,
+                      transport="inproc", algorithms=["ring", "rhd", "auto"], batches=1,
+                      batch_time=0.001, quiet=True)
+    assert bench.tune(cfg, str(path)) == str(path)
+    entries = tuning.load_table(str(path))
+    # sizes are the bytes the call passes: allgather's 4096-byte output is 2048 per rank
+    assert sorted((e["collective"], e["bytes"]) for e in entries) == [
+        ("allgather", 4), ("allgather", 2048), ("allreduce", 8), ("allreduce", 4096)]
+    for e in entries:
+        assert set(e["seconds"]) == {"ring", "rhd"} and e["best"] in ("ring", "rhd")
+        assert e["world"] == 2
+
+
+def test_tune_refuses_benchmark_outputs():
+    p = _cli("bench", "--tune", "--csv", "x.csv")
+    assert p.returncode == 2 and "--tune writes the tuning table only" in p.stderr
 
 
 def test_plot(tmp_path):
