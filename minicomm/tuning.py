@@ -844,7 +844,11 @@ def write_table(entries: Sequence[Dict[str, Any]], path: Optional[str] = None) -
     path = path or table_path()
     merged = {_entry_key(e): e for e in load_table(path)}
     for e in entries:
-        e = _check_entry(e)
+        try:
+            e = _check_entry(e)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"not a tuned-table entry ({err!r}): {e!r}; the fields are "
+                             f"documented in minicomm.tuning's module docstring") from None
         merged[_entry_key(e)] = e
     _write_json(path, {"format": TABLE_FORMAT, "host": socket.gethostname(),
                        "entries": sorted(merged.values(), key=_entry_key)})

@@ -42,6 +42,9 @@ def test_table_round_trip_and_merge(cache):
     tuning.write_table([entry("allreduce", 2, 8, "tree")])
     got = {tuning._entry_key(e): e["best"] for e in tuning.load_table()}
     assert len(got) == 3 and got[("allreduce", 2, (0, 0), "shm", "tcp", 8)] == "tree"
+    with pytest.raises(ValueError, match="not a tuned-table entry"):
+        tuning.write_table([{"collective": "allreduce", "world": 2, "nbytes": 8}])
+    assert len(tuning.load_table()) == 3                   # nothing written
 
 
 def test_table_lookup_is_nearest_within_factor_two():
