@@ -62,10 +62,12 @@ Tuned table API (for ``minicomm bench --tune``)::
                 rounded down to whole float32 elements (at least one); barrier is measured once,
                 at 0 bytes, whatever ``sizes`` says.
         Timing: float32 sum, root 0, each family called explicitly (so no table or env var
-        decides); one warm-up call each; a batch is ``k`` back-to-back calls after a barrier, k
-        chosen so a batch takes ``batch_seconds`` (1..max_iters); families are interleaved batch
-        by batch (drift hits all alike); a batch's time is the slowest rank's; an entry's time is
-        the median over ``batches`` batches.
+        decides); a batch is ``k`` back-to-back calls after a barrier, k chosen so a batch takes
+        ``batch_seconds`` (1..max_iters); one untimed batch each first; families are interleaved
+        batch by batch (drift hits all alike); a batch's time is the slowest rank's; an entry's
+        time is the median over ``batches`` batches. ``time_algorithms(comm, collective, bytes,
+        algorithms, ...)`` does this for one size (any of FAMILIES and "auto") and returns
+        {algorithm: seconds}, the same on every rank.
     path = write_table(entries, path=None)   # merge into tune-<hostname>.json (entries with the
                                              # same key are replaced), atomically; returns the path
     entries = load_table(path=None)          # [] when missing; a corrupt file: warning and []
@@ -891,6 +893,9 @@ def time_algorithms(comm, collective: str, nbytes: int, algorithms: Sequence[str
     est = comm.allreduce(est, op="max", algorithm="rhd")
     iters = [int(min(max_iters, max(1, batch_seconds / max(e, 1e-9)))) for e in est]
     times = np.zeros((len(algorithms), batches))
+    for i, algo in enumerate(algorithms):
+        for _ in range(iters[i]):   # an untimed batch: ranks that just started run cold
+            call(algo)
     for j in range(batches):
         for i, algo in enumerate(algorithms):
             comm.barrier(algorithm="rhd")
