@@ -391,15 +391,20 @@ class BenchConfig:
 
 # ------------------------------------------------------------------------ the rank side
 class Watchdog:
-    """Ends this rank if a phase makes no progress for ``limit`` seconds: MPI and gloo calls have
-    no timeout of their own, and a hung benchmark must not hang its caller forever."""
+    """Ends this rank process if a phase makes no progress for ``limit`` seconds: MPI calls have
+    no timeout of their own, and a hung peer must not hang the benchmark forever. Armed only when
+    peers run (minicomm's own waits time out by themselves, and inproc ranks share the caller's
+    process, which must never be ended from here)."""
 
-    def __init__(self, limit: float, rank: int):
+    def __init__(self, limit: float, rank: int, armed: bool):
         self.limit, self.rank = limit, rank
         self.what, self.last = "start", time.monotonic()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="minicomm-bench-watchdog")
-        self._thread.start()
+        self._thread = None
+        if armed:
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name="minicomm-bench-watchdog")
+            self._thread.start()
 
     def tick(self, what: str) -> None:
         self.what, self.last = what, time.monotonic()
@@ -414,7 +419,8 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(10)
+        if self._thread is not None:
+            self._thread.join(10)
 
 
 def _progress_limit(cfg: BenchConfig, comm) -> float:
@@ -424,36 +430,32 @@ def _progress_limit(cfg: BenchConfig, comm) -> float:
 def rank_main(comm, cfg: BenchConfig, mpi_comm=None) -> Optional[List[dict]]:
     """Run the whole benchmark on this rank. Rank 0 prints the table and returns the rows."""
     from . import peers as _peers
-    watchdog = Watchdog(_progress_limit(cfg, comm), comm.rank)
+    watchdog = Watchdog(_progress_limit(cfg, comm), comm.rank, armed=bool(cfg.peers))
     runners: list = [MinicommRunner(comm, a) for a in cfg.algorithms]
-    # In-place batches feed each result back in: sums grow to inf, as in nccl-tests. The values
-    # do not change the work done (no denormals on the way up); the check uses fresh inputs.
-    errstate = np.errstate(over="ignore", invalid="ignore")
-    errstate.__enter__()
     try:
         for p in cfg.peers:
             watchdog.tick(f"starting peer {p}")
             runners.append(_peers.start(p, comm, cfg, mpi_comm))
         rows: List[dict] = []
-        for coll in cfg.collectives:
-            cases = make_cases(coll, cfg.sizes, comm.size, cfg.dtype)
-            if comm.rank == 0 and not cfg.quiet:
-                print(header(cfg, coll, comm, runners), flush=True)
-            for case in cases:
-                got = _bench_case(comm, cfg, case, runners, watchdog)
-                if comm.rank == 0:
+        # In-place batches feed each result back in: sums grow to inf, as in nccl-tests. The
+        # values do not change the work done (no denormals on the way up); checks use fresh data.
+        with np.errstate(over="ignore", invalid="ignore"):
+            for coll in cfg.collectives:
+                if comm.rank == 0 and not cfg.quiet:
+                    print(header(cfg, coll, comm, runners), flush=True)
+                for case in make_cases(coll, cfg.sizes, comm.size, cfg.dtype):
+                    got = _bench_case(comm, cfg, case, runners, watchdog)
                     rows.extend(got)
                     if not cfg.quiet:
                         for row in got:
                             print(format_row(row), flush=True)
-            if comm.rank == 0 and not cfg.quiet:
-                print(footer([r for r in rows if r["collective"] == coll]), flush=True)
+                if comm.rank == 0 and not cfg.quiet:
+                    print(footer([r for r in rows if r["collective"] == coll]), flush=True)
         return rows if comm.rank == 0 else None
     finally:
         for r in runners:
             r.close()
         watchdog.stop()
-        errstate.__exit__(None, None, None)
 
 
 def _agree_max(comm, values: Sequence[float]) -> np.ndarray:
