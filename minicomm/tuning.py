@@ -23,19 +23,22 @@ reduces straight out of the landing memory), the last piece no earlier than the 
 in. FIFO matching per pair. A waiting rank spins for the transport's ``SPIN_S``, then sleeps: the
 message that wakes it costs ``wake`` more when the rank has a core to itself (an idle core must be
 woken). A node's ranks share its ``cores`` (fluid processor sharing among working and spinning
-ranks; work on a shared core is ``SHARING_LOSS`` less efficient), so with more ranks than cores
-an algorithm that keeps few ranks busy at once (tree) is costed as it runs. The call's time is
-the last rank's end. Schedules are built with 4-byte elements (auto sees bytes, not the dtype).
+ranks; work on a shared core is ``SHARING_LOSS`` less efficient; k ranks working at once slow
+each other down by 1 + contention·(k-1): shared memory bandwidth, or virtual CPUs that are not
+independent), so an algorithm that keeps few ranks busy at once (tree) is costed as it runs. The
+call's time is the last rank's end. Schedules are built with 4-byte elements (auto sees bytes,
+not the dtype).
 
 Link parameters (``LinkModel``): per link class (intra-node, inter-node) α (one exchange step), β
-(s/byte) and o (CPU per message operation); γ (in-place add, s/byte of array), δ (memcpy), wake
-and the node's cores. At communicator start (``agree_link_model``, called by ``connect_world``)
-rank 0 reads ``links-<hostname>.json`` from the cache directory, or measures what it lacks, on a
-two-rank communicator of rank 0 and a peer over that link (``probe_link``: three 8-byte calls
-whose differences, against the simulator's prediction for the same schedules, give o and α, and
-a ``PROBE_BYTES`` exchange for β; ``probe_wake``: a message to a sleeping rank; ``measure_local``:
-γ and δ with numpy on 32 MiB). It writes the cache (so a machine measures once: delete the file
-to measure again, best on an idle machine) and sends its values, and the tuned-table entries of
+(s/byte) and o (CPU per message operation); γ (in-place add, s/byte of array), δ (memcpy), wake,
+contention and the node's cores. At communicator start (``agree_link_model``, called by
+``connect_world``) rank 0 reads ``links-<hostname>.json`` from the cache directory, or measures
+what it lacks, on a two-rank communicator of rank 0 and a peer over that link (``probe_link``:
+three 8-byte calls whose differences, against the simulator's prediction for the same schedules,
+give o and α; ``PROBE_BYTES`` exchanged (both ranks copy at once) and sent one way (one copies at
+a time) for β and contention; ``probe_wake``: a message to a sleeping rank; ``measure_local``: γ
+and δ with numpy on 32 MiB). It writes the cache (so a machine measures once: delete the file to
+measure again, best on an idle machine) and sends its values, and the tuned-table entries of
 this world's transports, to every rank: the choice is identical on every rank even when their
 own measurements or files would differ. ``MINICOMM_TUNE=0`` measures nothing (the constants
 ``DEFAULT_LINKS``, ``GAMMA``, ``DELTA``, ``WAKE``; a tuned table is still followed). A corrupt
@@ -43,10 +46,10 @@ cache file is ignored with a warning (and measured anew). The cache directory is
 ``$MINICOMM_CACHE_DIR``, else ``$XDG_CACHE_HOME/minicomm``, else ``~/.cache/minicomm``. Link
 cache format (JSON; seconds, seconds per byte)::
 
-    {"format": "minicomm-links/2", "host": "box1",
-     "links": {"shm": {"alpha": 1.1e-05, "beta": 1.0e-10, "overhead": 3.5e-06},
+    {"format": "minicomm-links/3", "host": "box1",
+     "links": {"shm": {"alpha": 1.0e-05, "beta": 1.6e-10, "overhead": 3.5e-06},
                "tcp": {...}, "tcp>box2": {...}},            # ">host": the link to another host
-     "gamma": 8.7e-11, "delta": 1.1e-10, "wake": 2.9e-04}
+     "gamma": 8.1e-11, "delta": 7.9e-11, "wake": 2.3e-04, "contention": 0.33}
 
 Tuned table API (for ``minicomm bench --tune``)::
 
@@ -102,6 +105,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .schedule import Copy, Recv, Reduce, Send
+from .transports.progress import SPIN_S      # how long a waiting rank spins before it sleeps
 
 FAMILIES = ("ring", "tree", "rhd", "hier")
 
@@ -124,21 +128,18 @@ SIM_MAX_RANKS = 16         # simulate up to this many ranks (a few ms per new si
 # shm.py CHUNK), a socket delivers what has arrived.
 PIPELINE_CHUNK = {"shm": 1 << 20}
 STREAM_CHUNK = 64 << 10
-PROBE_BYTES = 4 << 20      # large exchange that measures β
+PROBE_BYTES = 1 << 20      # β and contention: one shm record, so a one-way hop is not pipelined
+MAX_CONTENTION = 4.0
 LOCAL_PROBE_BYTES = 32 << 20
 PROBE_REPS = (30, 5)       # repetitions of the small and the large probes (the minimum counts)
 WAKE_PROBE_SLEEP = 2e-3    # long enough for the waiting rank to give up spinning and sleep
 # Work on a core shared by several ranks runs at share / (1 + SHARING_LOSS * (1 - share)): time
 # slicing costs switches and cache refills. Fitted on the 2-core reference box (4 ranks on 2
-# cores lose about a third against 2 ranks); not measured at start.
+# cores: any value in 0.5..2 makes the model pick the measured best); not measured at start.
 SHARING_LOSS = 1.0
 
-try:
-    from .transports.progress import SPIN_S     # how long a waiting rank spins before sleeping
-except ImportError:                             # pragma: no cover - transports always ship
-    SPIN_S = 50e-6
 
-LINKS_FORMAT = "minicomm-links/2"
+LINKS_FORMAT = "minicomm-links/3"
 TABLE_FORMAT = "minicomm-tune/1"
 
 TableKey = Tuple[str, int, Tuple[int, ...], str, str]   # collective, world, topology, intra, inter
@@ -155,6 +156,7 @@ class LinkModel:
     overhead_intra: float = DEFAULT_LINKS["shm"][2]
     overhead_inter: float = DEFAULT_LINKS["tcp"][2]
     wake: float = WAKE
+    contention: float = 0.0    # k ranks working at once on a node each run 1 + c(k-1) slower
     cores: int = 0         # CPU cores of a node (0: as many as ranks, no sharing)
     intra: str = "shm"     # transport names, the tuned table's key
     inter: str = "tcp"
@@ -286,10 +288,10 @@ def simulate(scheds: Sequence[Sequence[Sequence[Any]]], topology: Sequence[int],
     step = [-1] * p
     # per rank: ("cpu", seconds, stamp when done) or ("last", message to wait for, None)
     todo: List[List[Tuple[str, Any, Any]]] = [[] for _ in range(p)]
-    recvs: List[List[Tuple[Recv, _Msg, int]]] = [[] for _ in range(p)]
-    cpu = [0.0] * p                  # CPU seconds left of the current work item (None: waiting)
+    recvs: List[List[Tuple[Recv, int, int]]] = [[] for _ in range(p)]   # (op, peer, FIFO index)
+    cpu = [0.0] * p                  # CPU seconds left of the current work item
     mark: List[Any] = [None] * p     # (field, msg) to stamp when the work item ends
-    waiting: List[Any] = [None] * p  # None, or the message whose "first"/"last" it waits for
+    waiting: List[Any] = [None] * p  # None, ("first", None): any receive, ("last", message)
     wait_since = [0.0] * p
     wake_at: List[Optional[float]] = [None] * p
     done = [False] * p
@@ -405,15 +407,21 @@ def simulate(scheds: Sequence[Sequence[Sequence[Any]]], topology: Sequence[int],
                 moved = True
         if all(done):
             break
-        busy = dict.fromkeys(nodes, 0)
+        busy = dict.fromkeys(nodes, 0)       # working or spinning: they hold a core
+        working = dict.fromkeys(nodes, 0)
         for r in range(p):
-            if not done[r] and (waiting[r] is None or (wake_at[r] is None
-                                                       and now - wait_since[r] <= SPIN_S)):
+            if done[r]:
+                continue
+            if waiting[r] is None:
+                working[topology[r]] += 1
+                busy[topology[r]] += 1
+            elif wake_at[r] is None and now - wait_since[r] <= SPIN_S:
                 busy[topology[r]] += 1
         rate = {}
         for n in nodes:
             share = min(1.0, cores[n] / busy[n]) if busy[n] else 1.0
-            rate[n] = share / (1 + SHARING_LOSS * (1 - share))
+            rate[n] = share / (1 + SHARING_LOSS * (1 - share)) \
+                / (1 + m.contention * max(0, min(working[n], cores[n]) - 1))
         nxt = math.inf
         for r in range(p):
             if done[r]:
@@ -593,7 +601,7 @@ def load_links(path: Optional[str] = None) -> Dict[str, Any]:
 
 
 _LINK_FIELDS = ("alpha", "beta", "overhead")
-_MACHINE_FIELDS = ("gamma", "delta", "wake")
+_MACHINE_FIELDS = ("gamma", "delta", "wake", "contention")
 
 
 def _nonnegative(v: Any) -> float:
@@ -621,30 +629,37 @@ def _probe_min(call, reps: int) -> float:
 
 
 def _probe_model(kind: str, o: float, lat: float, beta: float, gamma: float,
-                 delta: float) -> LinkModel:
+                 delta: float, contention: float) -> LinkModel:
     a = 3 * o + lat
-    return LinkModel(a, beta, a, beta, gamma, delta, o, o, 0.0, 0, kind, kind)
+    return LinkModel(a, beta, a, beta, gamma, delta, o, o, 0.0, contention, 0, kind, kind)
 
 
-def probe_link(pair, kind: str, gamma: float, delta: float) -> Dict[str, float]:
+def probe_link(pair, kind: str, gamma: float, delta: float,
+               contention: Optional[float] = None) -> Dict[str, float]:
     """α, β and o of the link between the two ranks of ``pair`` (a 2-rank communicator; both
-    call; rank 0's values count). Each probe is the fastest of ``PROBE_REPS`` calls.
+    call; rank 0's values count), and the node's contention unless it is given. Each probe is the
+    fastest of ``PROBE_REPS`` calls; every value is fitted so that the simulator, run on the very
+    schedules probed, predicts what was measured.
 
     Three 8-byte calls: rhd allgather (one exchange step), ring allreduce (two exchange steps),
-    tree allreduce (two one-way hops). Their differences cancel the per-call cost and, set equal
-    to the simulator's prediction for the same schedules (linear in o and the latency), give both.
-    β: the rhd allgather of ``PROBE_BYTES`` minus that of 8 bytes, against the simulator's."""
+    tree allreduce (two one-way hops): their differences cancel the per-call cost and give o and
+    the latency (the prediction is linear in both). Then ``PROBE_BYTES`` through the same rhd
+    allgather (both ranks copy at once) and tree allreduce (one copies at a time), less their
+    8-byte times: β, and the contention that makes the two agree (bisection; 0 when the ranks do
+    not slow each other down)."""
     small = np.zeros(2, dtype=np.float32)
     large = np.zeros(PROBE_BYTES // 4, dtype=np.float32)
     one = _probe_min(lambda: pair.allgather(small, algorithm="rhd"), PROBE_REPS[0])
     two = _probe_min(lambda: pair.allreduce(small, algorithm="ring"), PROBE_REPS[0])
     hops = _probe_min(lambda: pair.allreduce(small, algorithm="tree"), PROBE_REPS[0])
-    big = _probe_min(lambda: pair.allgather(large, algorithm="rhd"), PROBE_REPS[1])
+    big_x = _probe_min(lambda: pair.allgather(large, algorithm="rhd"), PROBE_REPS[1])
+    big_h = _probe_min(lambda: pair.allreduce(large, algorithm="tree"), PROBE_REPS[1])
     probes = (("allgather", "rhd"), ("allreduce", "ring"), ("allreduce", "tree"))
 
     def sim(i: int, o: float, lat: float, beta: float = 0.0, count: int = 2,
-            g: float = 0.0, d: float = 0.0) -> float:
-        return schedule_time(*probes[i], 2, count, (0, 0), _probe_model(kind, o, lat, beta, g, d))
+            g: float = 0.0, d: float = 0.0, c: float = 0.0) -> float:
+        return schedule_time(*probes[i], 2, count, (0, 0),
+                             _probe_model(kind, o, lat, beta, g, d, c))
 
     coef = np.array([[sim(i, 1.0, 0.0) - sim(0, 1.0, 0.0), sim(i, 0.0, 1.0) - sim(0, 0.0, 1.0)]
                      for i in (1, 2)])
@@ -652,11 +667,32 @@ def probe_link(pair, kind: str, gamma: float, delta: float) -> Dict[str, float]:
     o, lat = max(float(o), 0.1e-6), max(float(lat), 0.0)
     n = PROBE_BYTES // 4
 
-    def grow(beta: float) -> float:
-        return sim(0, o, lat, beta, n, gamma, delta) - sim(0, o, lat, beta, 2, gamma, delta)
-    slope = (grow(1e-9) - grow(0.0)) / 1e-9
-    beta = max((big - one - grow(0.0)) / slope, 1e-12)
-    return {"alpha": 3 * o + lat, "beta": beta, "overhead": o}
+    def grow(i: int, beta: float, c: float) -> float:
+        return (sim(i, o, lat, beta, n, gamma, delta, c)
+                - sim(i, o, lat, beta, 2, gamma, delta, c))
+
+    def beta_for(c: float) -> float:
+        slope = (grow(0, 1e-9, c) - grow(0, 0.0, c)) / 1e-9
+        return max((big_x - one - grow(0, 0.0, c)) / slope, 1e-12)
+
+    def hop_excess(c: float) -> float:       # predicted minus measured one-way growth
+        return grow(2, beta_for(c), c) - (big_h - hops)
+
+    measured = contention is None
+    if measured:
+        lo, hi = 0.0, MAX_CONTENTION
+        if hop_excess(lo) <= 0:
+            hi = lo
+        elif hop_excess(hi) >= 0:
+            lo = hi
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if hop_excess(mid) > 0 else (lo, mid)
+        contention = (lo + hi) / 2
+    out = {"alpha": 3 * o + lat, "beta": beta_for(contention), "overhead": o}
+    if measured:
+        out["contention"] = contention
+    return out
 
 
 def probe_wake(pair, reps: int = 5) -> float:
@@ -696,7 +732,7 @@ def _tune_enabled() -> bool:
 
 
 _AGREED = ("alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma", "delta",
-           "overhead_intra", "overhead_inter", "wake", "cores")
+           "overhead_intra", "overhead_inter", "wake", "contention", "cores")
 
 
 def agree_link_model(comm, intra: str, inter: str) -> LinkModel:
@@ -773,8 +809,12 @@ def _measure_links(comm, near: Optional[int], far: Optional[int], intra: str,
             else [0, 0]
         todo = pair.broadcast(np.array(todo, dtype=np.int64), root=0, algorithm="tree")
         if todo[0]:
-            got = probe_link(pair, kind, cache.get("gamma", 0.0), cache.get("delta", 0.0))
+            # contention is the host's: measured with a pair on this host, used for the others
+            got = probe_link(pair, kind, cache.get("gamma", 0.0), cache.get("delta", 0.0),
+                             cache.get("contention") if local else cache.get("contention", 0.0))
             if rank == 0:
+                if "contention" in got:
+                    cache["contention"] = got.pop("contention")
                 cache["links"][name], dirty = got, True
         if todo[1]:
             wake = probe_wake(pair)
