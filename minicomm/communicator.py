@@ -66,10 +66,10 @@ class Work:
 
 class _Call:
     """What ``_prepare`` derives from a call's signature (see there)."""
-    __slots__ = ("algo", "call", "plan", "kernel", "rooted", "label", "requested")
+    __slots__ = ("coll", "algo", "call", "plan", "kernel", "rooted", "label", "requested")
 
-    def __init__(self, algo, call, plan, kernel, rooted, label, requested):
-        self.algo, self.call, self.plan, self.kernel = algo, call, plan, kernel
+    def __init__(self, coll, algo, call, plan, kernel, rooted, label, requested):
+        self.coll, self.algo, self.call, self.plan, self.kernel = coll, algo, call, plan, kernel
         self.rooted, self.label, self.requested = rooted, label, requested
 
 
@@ -240,7 +240,7 @@ class Communicator:
         if c is None:
             algo = self._resolve_algorithm(coll, algorithm, count * dtype.itemsize)
             c = _Call(
-                algo=algo,
+                coll=coll, algo=algo,
                 call=pack_call(coll, op, algo, dtype, root if coll in ROOTED else -1),
                 plan=self._plan(coll, algo, count, root),
                 kernel=_ops.get_kernel(op) if op != "none" else None,
@@ -257,6 +257,10 @@ class Communicator:
         dtype = outb.dtype if outb is not None else inb.dtype
         c = self._calls.get((coll, op, algorithm, dtype, count, root)) \
             or self._prepare(coll, op, algorithm, dtype, count, root)
+        self._run_call(c, inb, outb, count, shape, fingerprint)
+
+    def _run_call(self, c: "_Call", inb: np.ndarray, outb: np.ndarray, count: int,
+                  shape: Tuple[int, ...], fingerprint: bool = True) -> None:
         # Headers catch a disagreement whenever the disagreeing ranks exchange a message. Ranks
         # that disagree on the *root* may never do so (each "root" only sends): rooted calls
         # therefore always exchange fingerprints first; check="full" does it for every call.
@@ -265,16 +269,19 @@ class Communicator:
         self._seq += 1
         seq = self._seq
         if self.debug_info:
-            self._log(f"{coll} #{seq} count={count} dtype={dtype} -> {c.algo} "
+            self._log(f"{c.coll} #{seq} count={count} dtype={outb.dtype} -> {c.algo} "
                       f"({'requested' if c.requested else 'auto'})")
         plan = c.plan
-        tmp = self._scratch.get(dtype)
-        if tmp is None or tmp.size < plan.tmp_count:
-            tmp = self._tmp(dtype, plan.tmp_count)
+        if inb is outb and not plan.alias_safe:
+            inb = inb.copy()
+        n = plan.tmp_count
+        tmp = self._scratch.get(outb.dtype)
+        if tmp is None or tmp.size < n:
+            tmp = self._tmp(outb.dtype, n)
         try:
-            run_plan(plan, self.transport, (inb, outb, tmp[:plan.tmp_count]), c.kernel,
+            run_plan(plan, self.transport, (inb, outb, tmp[:n]), c.kernel,
                      _new_tag(Tag, (self.comm_id, seq, 0, c.call, count)),
-                     time.monotonic() + self.timeout, f"{coll} #{seq} {c.label}")
+                     time.monotonic() + self.timeout, f"{c.coll} #{seq} {c.label}")
         except MismatchError as e:
             # Peers may be blocked on us: make them fail now with the same verdict.
             self.transport.abort(f"MismatchError: {e}")
@@ -324,8 +331,9 @@ class Communicator:
     def _separate(inflat: np.ndarray, outflat: np.ndarray, out) -> np.ndarray:
         """``inflat``, or a copy of it if it overlaps ``outflat``: schedules never write 'in' but
         may read it after writing 'out'. ``out`` is the caller's out= (None: ``outflat`` is a
-        fresh array, which cannot overlap)."""
-        if out is None:
+        fresh array, which cannot overlap). The very same array (an in-place call) is left to
+        ``_run_call``, which copies it only if the plan is not ``alias_safe``."""
+        if out is None or inflat is outflat:
             return inflat
         return inflat.copy() if np.shares_memory(inflat, outflat) else inflat
 
@@ -335,6 +343,19 @@ class Communicator:
 
     # ------------------------------------------------------------------ collectives
     def allreduce(self, x, op="sum", algorithm="auto", out=None, async_op=False):
+        # The hot case: a 1-D contiguous array whose call signature ran before (so op and dtype
+        # were validated then), a fresh result, a synchronous call with nothing queued. Same
+        # steps as below, minus the generic argument handling and the closure.
+        if out is None and not async_op and type(x) is np.ndarray and not self._pending \
+                and x.ndim == 1 and x.flags.c_contiguous and not self._closed:
+            c = self._calls.get(("allreduce", op, algorithm, x.dtype, x.size, 0))
+            if c is not None:
+                res = np.empty(x.size, x.dtype)
+                with self._lock:
+                    self._run_call(c, x, res, x.size, x.shape)
+                if op == _ops.AVG:
+                    res /= self.size
+                return res
         op = _ops.normalize(op)
         arr, inflat = self._flat_in(x)
         _ops.check_dtype(op, arr.dtype)

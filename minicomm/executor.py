@@ -29,21 +29,33 @@ _BUF_INDEX = {IN: 0, OUT: 1, TMP: 2}
 FUSE_MIN_COUNT = 4096
 
 _new_tag = tuple.__new__
+# Large local copies go in pieces of this many bytes: one memcpy of many MiB runs ~1.4x slower
+# here than the same bytes in cache-sized pieces (measured: 32 MiB in 3.3-4.8 ms whole, 2.4 ms
+# in 256 KiB pieces).
+_COPY_PIECE = 256 << 10
+
+
+def _copy_pieces(d: np.ndarray, s: np.ndarray) -> None:
+    k = max(1, _COPY_PIECE // d.itemsize)
+    for lo in range(0, d.shape[0], k):
+        d[lo:lo + k] = s[lo:lo + k]
 
 
 class Plan:
     """A schedule compiled for one communicator: peers already translated to world ranks.
 
     ``steps``: per step ``(local, posts)``; ``local`` holds (kind, src buffer, src offset, dst
-    buffer, dst offset, count) with buffers as indices into (in, out, tmp); ``posts`` holds, in
+    buffer, dst offset, count, whole) with buffers as indices into (in, out, tmp) and ``whole``
+    saying both regions are entire buffers; ``posts`` holds, in
     posting order (receives, then sends), (is_send, world peer, buffer, lo, hi, whole, reduce,
     fused) where ``whole`` says the slice is the entire buffer, and ``fused`` is the ``in`` offset
     of a copy folded into a reduce-receive (-1: none)."""
-    __slots__ = ("schedule", "steps", "tmp_count")
+    __slots__ = ("schedule", "steps", "tmp_count", "alias_safe")
 
     def __init__(self, schedule: Schedule, world_ranks: Sequence[int]):
         self.schedule = schedule
         self.tmp_count = schedule.tmp_count
+        self.alias_safe = alias_safe(schedule.steps)
         sizes = (schedule.in_count, schedule.out_count, schedule.tmp_count)
         steps = []
         for i, st in enumerate(schedule.steps):
@@ -61,9 +73,11 @@ class Plan:
                     sends.append((True, world_ranks[o.peer], b, o.offset, o.offset + o.count,
                                   o.offset == 0 and o.count == sizes[b], False, -1))
                 elif isinstance(o, (Copy, Reduce)) and id(o) not in folded:
+                    sb, db = _BUF_INDEX[o.src], _BUF_INDEX[o.dst]
+                    whole = (o.src_offset == 0 and o.count == sizes[sb]
+                             and o.dst_offset == 0 and o.count == sizes[db])
                     local.append((_LOCAL_COPY if isinstance(o, Copy) else _LOCAL_REDUCE,
-                                  _BUF_INDEX[o.src], o.src_offset, _BUF_INDEX[o.dst],
-                                  o.dst_offset, o.count))
+                                  sb, o.src_offset, db, o.dst_offset, o.count, whole))
             steps.append((tuple(local), tuple(recvs + sends)))
         self.steps = tuple(steps)
 
@@ -84,6 +98,42 @@ def _fusable(step) -> dict:
                     out[r] = c
                 break
     return out
+
+
+def alias_safe(steps) -> bool:
+    """True if the schedule computes the same result when ``in`` and ``out`` are one buffer (an
+    in-place call), so the caller's input need not be copied aside first. Tracks the regions of
+    ``out`` whose content may differ from the original input ("dirty"); the schedule is safe
+    when every read of ``in`` (local ops, sends, a copy folded into a receive) sees a clean
+    region, and no send from ``in`` or folded copy reads a region a receive of the same step
+    writes (those run concurrently). A copy in[a:] -> out[a:] of a clean region is a no-op."""
+    dirty: list = []
+
+    def hits(intervals, lo: int, n: int) -> bool:
+        return n > 0 and any(a < lo + n and lo < b for a, b in intervals)
+
+    for st in steps:
+        landing = [(o.offset, o.offset + o.count) for o in st
+                   if isinstance(o, Recv) and o.buf == OUT and o.count]
+        for o in st:
+            if not isinstance(o, (Copy, Reduce)):
+                continue
+            if o.src == IN:
+                if hits(dirty, o.src_offset, o.count):
+                    return False
+                if isinstance(o, Copy):
+                    if o.dst == OUT and o.dst_offset == o.src_offset:
+                        continue      # in place: the data is already there
+                    if hits(landing, o.src_offset, o.count):
+                        return False  # folded into a receive, it reads `in` while data lands
+            if o.dst == OUT and o.count:
+                dirty.append((o.dst_offset, o.dst_offset + o.count))
+        for o in st:
+            if isinstance(o, Send) and o.buf == IN and (hits(dirty, o.offset, o.count)
+                                                         or hits(landing, o.offset, o.count)):
+                return False
+        dirty.extend(landing)
+    return True
 
 
 def _touches(o, buf: str, lo: int, n: int) -> bool:
@@ -118,12 +168,17 @@ def run_plan(plan: Plan, transport, bufs, kernel, tag: Tag, deadline: float, wha
     i = -1
     for local, posts in plan.steps:
         i += 1
-        for kind, sb, so, db, do, n in local:
-            d = bufs[db][do:do + n]
-            if kind == _LOCAL_COPY:
-                d[...] = bufs[sb][so:so + n]
+        for kind, sb, so, db, do, n, whole in local:
+            if whole:
+                d, s = bufs[db], bufs[sb]
             else:
-                kernel(d, bufs[sb][so:so + n])
+                d, s = bufs[db][do:do + n], bufs[sb][so:so + n]
+            if kind != _LOCAL_COPY:
+                kernel(d, s)
+            elif d.nbytes < _COPY_PIECE << 2:
+                d[...] = s
+            else:
+                _copy_pieces(d, s)
         if not posts:
             continue
         t = _new_tag(Tag, (comm, seq, i, call, count))

@@ -232,11 +232,17 @@ class Progress:
         return moved
 
     def wait(self, reqs: List[Req], deadline: float, what: str) -> None:
+        for r in reqs:
+            if not r.done:
+                break
+        else:
+            return                                # completed on the spot (eager isend/irecv)
         lock = self.lock
         started = time.monotonic()
-        # Poll without yielding for a few microseconds (the peer usually runs on the other core
+        # Poll without yielding for a few microseconds (the peer usually runs on another core
         # and answers within that; a yield would hand our core to whatever else is runnable),
-        # then poll with os.sched_yield (ranks sharing a core hand it over), then block.
+        # then poll with os.sched_yield between passes (a peer that shares our core, with more
+        # ranks than cores or other load on the machine, gets it), then block.
         hot_until = spin_until = started
         if self.spin:
             hot_until += HOT_SPIN_S

@@ -58,6 +58,8 @@ PAGE = 4096
 HDR = 64                              # record header: 8 int64
 CHUNK = 1 << 20                       # streaming unit of large messages
 EARLY_RING = 64 << 10                 # ring the doorbell at once after a record this large
+EAGER = 16 << 10                      # isend/irecv move a message this small on the spot
+_U8 = np.dtype(np.uint8)
 _MAGIC = b"MCSHM\x00\x01\x00"
 _HDR = struct.Struct("@8q")           # record header; written before head publishes it
 _SEG = struct.Struct("@8sqqqq")       # magic, owner rank, ring bytes, chunk bytes, number of rings
@@ -268,13 +270,19 @@ class ShmTransport(Transport):
 
     def isend(self, peer: int, buf: np.ndarray, tag: Tag) -> Request:
         p = self._peers.get(peer) or self._peer(peer)
-        req = Req(self, peer, buf, tag, None, True)
         with self._lock:
             q = p.txq
+            if not q and p.closed is None and buf.nbytes <= EAGER and self._put(p, buf, tag):
+                fence()
+                self._ring_if_sleeping(p)
+                req = Request(peer, buf, tag, None, True)
+                req.done = True
+                return req
+            req = Req(self, peer, buf, tag, None, True)
             q.append(req)
             self._active[p] = None
             if len(q) == 1 and p.closed is None:
-                self._push(p)         # eager: a small message is in the ring before wait_all
+                self._push(p)         # eager: the first chunk is in the ring before wait_all
                 if p.owed:
                     fence()
                     self._ring_if_sleeping(p)
@@ -285,9 +293,37 @@ class ShmTransport(Transport):
         p = self._peers.get(peer) or self._peer(peer)
         req = Req(self, peer, buf, tag, reduce, False)
         with self._lock:
-            p.inbox.post(req)
+            ib = p.inbox
+            ib.post(req)
             self._active[p] = None
+            # eager: a small message that is already in the ring is taken now (a large one waits
+            # for wait_all, so that the step's sends are posted first)
+            if req.nbytes <= EAGER and ib.n_posted and p.rx_cur is None and self._pull(p):
+                fence()
+                self._ring_if_sleeping(p)
         return req
+
+    def _put(self, p: _Peer, buf: np.ndarray, tag: Tag) -> bool:
+        """Write a small message as one record if it fits where the ring's head is (the caller
+        checked that no send is queued before it): no request object, no queue. False: it does
+        not fit now; the caller queues it."""
+        n = buf.nbytes
+        size, head = p.tx_size, p.tx_head
+        pos = head % size
+        need = HDR + ((n + 63) & ~63)
+        if need > size - pos or need > size - head + p.tx_tail:
+            return False
+        if not buf.flags.c_contiguous:
+            raise ValueError("transport buffers must be contiguous")
+        h = p.tx_data + pos
+        mm = p.tx_mm
+        _HDR.pack_into(mm, h, tag[0], tag[1], tag[2], tag[3], tag[4], n, 0, n)
+        if n:
+            mm[h + HDR:h + HDR + n] = buf       # buffer protocol: a memcpy, no numpy views
+        head += need
+        p.tx_head = head
+        p.tx_q[_HEAD] = head          # publish the record
+        return True
 
     def wait_all(self, requests: List[Request], deadline: float, what: str) -> None:
         self._progress.wait(requests, deadline, what)
@@ -351,9 +387,9 @@ class ShmTransport(Transport):
             t = req.tag
             _HDR.pack_into(p.tx_mm, h, t[0], t[1], t[2], t[3], t[4], nbytes, off, c)
             if c == nbytes:
-                p.tx_u8[h + HDR:h + HDR + c] = req.u8
+                p.tx_mm[h + HDR:h + HDR + c] = req.u8
             elif c:
-                p.tx_u8[h + HDR:h + HDR + c] = req.u8[off:off + c]
+                p.tx_mm[h + HDR:h + HDR + c] = req.u8[off:off + c]
             head += HDR + ((c + 63) & ~63)
             p.tx_q[_HEAD] = head      # publish the record
             moved = True
@@ -392,7 +428,11 @@ class ShmTransport(Transport):
                 if target is None:
                     break             # its receive is not posted yet: leave it in the ring
                 p.rx_cur = target
-            if c:
+            if c == total and target.reduce is not None and target.buf.ndim == 1:
+                # a whole message reduced straight from a typed view of the landing memory
+                buf = target.buf
+                target.reduce(buf, np.ndarray(buf.shape, buf.dtype, mm, h + HDR))
+            elif c:
                 deliver(target, off, u8[h + HDR:h + HDR + c])
             tail += HDR + ((c + 63) & ~63)
             p.rx_q[_TAIL] = tail      # hand the space back at once

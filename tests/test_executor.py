@@ -1,0 +1,67 @@
+"""The executor's compile-time shortcuts give the results the plain schedule semantics give:
+a copy folded into a reduce-receive (``_fusable``), and in-place calls that skip copying the input
+aside when the plan is ``alias_safe``."""
+import numpy as np
+import pytest
+
+import minicomm as mc
+from minicomm.executor import FUSE_MIN_COUNT, Plan, alias_safe
+from minicomm.algorithms import build_schedule
+from minicomm.schedule import IN, OUT, Copy, Recv, Send
+
+FAMILIES = ("ring", "tree", "rhd", "hier")
+COUNTS = (1, 7, FUSE_MIN_COUNT + 3)      # the last one takes the fused path
+
+
+def _in_place_vs_out_of_place(comm, algo):
+    p, r = comm.size, comm.rank
+    bad = []
+    for n in COUNTS:
+        x = (np.arange(n, dtype=np.float64) % 97 + 1) * (r + 1)
+        for coll, root in (("allreduce", 0), ("broadcast", 0), ("broadcast", p - 1),
+                           ("reduce", 0), ("reduce", p - 1)):
+            kw = {"algorithm": algo} if coll == "allreduce" else {"algorithm": algo, "root": root}
+            ref = getattr(comm, coll)(x.copy(), **kw)
+            y = x.copy()
+            if coll == "reduce" and r != root:
+                got = comm.reduce(y, **kw)
+            else:
+                got = getattr(comm, coll)(y, out=y, **kw)
+            if ref is not None and not np.array_equal(ref, got):
+                bad.append((coll, root, n))
+    return bad
+
+
+@pytest.mark.parametrize("algo", FAMILIES)
+def test_in_place_matches_out_of_place(algo):
+    for p in (1, 2, 3, 4, 6):
+        nodes = 2 if algo == "hier" and p >= 4 else 1
+        assert mc.spawn(_in_place_vs_out_of_place, p, args=(algo,), transport="inproc",
+                        nodes=nodes, timeout=60) == [[]] * p
+
+
+def _fused_allreduce(comm):
+    n = FUSE_MIN_COUNT * 3 + 1
+    x = np.arange(n, dtype=np.float32) + comm.rank
+    return comm.allreduce(x, algorithm="rhd")
+
+
+def test_fused_copy_reduce_receive_over_shm():
+    plan = Plan(build_schedule("allreduce", "rhd", 0, 2, FUSE_MIN_COUNT * 3 + 1), [0, 1])
+    assert any(post[7] >= 0 for _, posts in plan.steps for post in posts)   # it is fused
+    n = FUSE_MIN_COUNT * 3 + 1
+    want = 2 * np.arange(n, dtype=np.float32) + 1
+    for got in mc.spawn(_fused_allreduce, 2, transport="shm", timeout=60):
+        assert np.array_equal(got, want)
+
+
+def test_alias_safe_negative_controls():
+    # out[0:4] is written from a receive, then in[0:4] is read: unsafe when in is out
+    assert not alias_safe([(Recv(1, OUT, 0, 4),), (Send(1, IN, 0, 4),)])
+    # a send from in and a receive into out on the same region run at once
+    assert not alias_safe([(Send(1, IN, 0, 4), Recv(1, OUT, 0, 4))])
+    # a copy into another place of out, then that place of in is read
+    assert not alias_safe([(Copy(IN, 0, OUT, 4, 4),), (Send(1, IN, 4, 4),)])
+    # copying in[a:] onto out[a:] is a no-op in place; sends of other regions are fine
+    assert alias_safe([(Copy(IN, 0, OUT, 0, 8), Send(1, IN, 4, 4), Recv(1, OUT, 0, 4, True)),
+                       (Send(1, OUT, 0, 4), Recv(1, OUT, 4, 4))])
