@@ -64,6 +64,12 @@ class Work:
     result = wait
 
 
+class _InPlace(np.ndarray):
+    """An input that lies inside the output's memory, ``shift`` elements from its start
+    (``in[i]`` is ``out[i + shift]``): see ``Communicator._separate``."""
+    shift = 0
+
+
 class _Call:
     """What ``_prepare`` derives from a call's signature (see there)."""
     __slots__ = ("coll", "algo", "call", "plan", "kernel", "rooted", "label", "requested")
@@ -272,8 +278,11 @@ class Communicator:
             self._log(f"{c.coll} #{seq} count={count} dtype={outb.dtype} -> {c.algo} "
                       f"({'requested' if c.requested else 'auto'})")
         plan = c.plan
-        if inb is outb and not plan.alias_safe:
-            inb = inb.copy()
+        if inb is outb:
+            if not plan.alias_safe(0):
+                inb = inb.copy()
+        elif inb.__class__ is _InPlace:
+            inb = inb.view(np.ndarray) if plan.alias_safe(inb.shift) else np.array(inb)
         n = plan.tmp_count
         tmp = self._scratch.get(outb.dtype)
         if tmp is None or tmp.size < n:
@@ -331,11 +340,22 @@ class Communicator:
     def _separate(inflat: np.ndarray, outflat: np.ndarray, out) -> np.ndarray:
         """``inflat``, or a copy of it if it overlaps ``outflat``: schedules never write 'in' but
         may read it after writing 'out'. ``out`` is the caller's out= (None: ``outflat`` is a
-        fresh array, which cannot overlap). The very same array (an in-place call) is left to
-        ``_run_call``, which copies it only if the plan is not ``alias_safe``."""
+        fresh array, which cannot overlap). An in-place call (``in`` is ``out``, or lies at a
+        whole-element offset in the same memory) returns ``outflat`` itself or an ``_InPlace``
+        view: ``_run_call`` copies it only if the plan is not ``alias_safe`` at that offset."""
         if out is None or inflat is outflat:
             return inflat
-        return inflat.copy() if np.shares_memory(inflat, outflat) else inflat
+        # both are contiguous and 1-D here, so overlapping bounds mean shared memory
+        if not np.may_share_memory(inflat, outflat):
+            return inflat
+        diff = inflat.__array_interface__["data"][0] - outflat.__array_interface__["data"][0]
+        if inflat.dtype == outflat.dtype and diff % inflat.itemsize == 0:
+            if diff == 0 and inflat.size == outflat.size:
+                return outflat
+            view = inflat.view(_InPlace)
+            view.shift = diff // inflat.itemsize
+            return view
+        return inflat.copy()
 
     def _finish_avg(self, op: str, outflat: np.ndarray) -> None:
         if op == _ops.AVG:
@@ -344,18 +364,25 @@ class Communicator:
     # ------------------------------------------------------------------ collectives
     def allreduce(self, x, op="sum", algorithm="auto", out=None, async_op=False):
         # The hot case: a 1-D contiguous array whose call signature ran before (so op and dtype
-        # were validated then), a fresh result, a synchronous call with nothing queued. Same
-        # steps as below, minus the generic argument handling and the closure.
-        if out is None and not async_op and type(x) is np.ndarray and not self._pending \
-                and x.ndim == 1 and x.flags.c_contiguous and not self._closed:
+        # were validated then), a synchronous call with nothing queued. Same steps as below,
+        # minus the generic argument handling and the closure.
+        if not async_op and type(x) is np.ndarray and not self._pending and x.ndim == 1 \
+                and x.flags.c_contiguous and not self._closed:
             c = self._calls.get(("allreduce", op, algorithm, x.dtype, x.size, 0))
             if c is not None:
-                res = np.empty(x.size, x.dtype)
-                with self._lock:
-                    self._run_call(c, x, res, x.size, x.shape)
-                if op == _ops.AVG:
-                    res /= self.size
-                return res
+                if out is None:
+                    res, inb = np.empty(x.size, x.dtype), x
+                elif type(out) is np.ndarray and out.shape == x.shape and out.dtype == x.dtype \
+                        and out.flags.c_contiguous:
+                    res, inb = out, self._separate(x, out, out)
+                else:
+                    res = None                # let the general path explain what is wrong
+                if res is not None:
+                    with self._lock:
+                        self._run_call(c, inb, res, x.size, x.shape)
+                    if op == _ops.AVG:
+                        res /= self.size
+                    return res
         op = _ops.normalize(op)
         arr, inflat = self._flat_in(x)
         _ops.check_dtype(op, arr.dtype)

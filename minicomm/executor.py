@@ -50,12 +50,12 @@ class Plan:
     posting order (receives, then sends), (is_send, world peer, buffer, lo, hi, whole, reduce,
     fused) where ``whole`` says the slice is the entire buffer, and ``fused`` is the ``in`` offset
     of a copy folded into a reduce-receive (-1: none)."""
-    __slots__ = ("schedule", "steps", "tmp_count", "alias_safe")
+    __slots__ = ("schedule", "steps", "tmp_count", "_alias")
 
     def __init__(self, schedule: Schedule, world_ranks: Sequence[int]):
         self.schedule = schedule
         self.tmp_count = schedule.tmp_count
-        self.alias_safe = alias_safe(schedule.steps)
+        self._alias = {}
         sizes = (schedule.in_count, schedule.out_count, schedule.tmp_count)
         steps = []
         for i, st in enumerate(schedule.steps):
@@ -81,6 +81,13 @@ class Plan:
             steps.append((tuple(local), tuple(recvs + sends)))
         self.steps = tuple(steps)
 
+    def alias_safe(self, shift: int) -> bool:
+        """``alias_safe`` of this plan's schedule, memoised per shift."""
+        ok = self._alias.get(shift)
+        if ok is None:
+            ok = self._alias[shift] = alias_safe(self.schedule.steps, shift)
+        return ok
+
 
 def _fusable(step) -> dict:
     """{Recv: Copy} pairs of ``step`` that may run as one ``dst = in op incoming`` pass: the copy
@@ -100,13 +107,14 @@ def _fusable(step) -> dict:
     return out
 
 
-def alias_safe(steps) -> bool:
-    """True if the schedule computes the same result when ``in`` and ``out`` are one buffer (an
-    in-place call), so the caller's input need not be copied aside first. Tracks the regions of
-    ``out`` whose content may differ from the original input ("dirty"); the schedule is safe
-    when every read of ``in`` (local ops, sends, a copy folded into a receive) sees a clean
-    region, and no send from ``in`` or folded copy reads a region a receive of the same step
-    writes (those run concurrently). A copy in[a:] -> out[a:] of a clean region is a no-op."""
+def alias_safe(steps, shift: int = 0) -> bool:
+    """True if the schedule computes the same result when ``in`` lies inside the memory of
+    ``out`` (an in-place call: ``in[i]`` is ``out[i + shift]``), so the caller's input need not
+    be copied aside first. Tracks the regions of ``out`` whose content may differ from the
+    original input ("dirty"); the schedule is safe when every read of ``in`` (local ops, sends, a
+    copy folded into a receive) sees a clean region, and no send from ``in`` or folded copy reads
+    a region a receive of the same step writes (those run concurrently). A copy of a clean region
+    of ``in`` onto itself (``out[a + shift:]`` from ``in[a:]``) is a no-op."""
     dirty: list = []
 
     def hits(intervals, lo: int, n: int) -> bool:
@@ -119,18 +127,19 @@ def alias_safe(steps) -> bool:
             if not isinstance(o, (Copy, Reduce)):
                 continue
             if o.src == IN:
-                if hits(dirty, o.src_offset, o.count):
+                if hits(dirty, o.src_offset + shift, o.count):
                     return False
                 if isinstance(o, Copy):
-                    if o.dst == OUT and o.dst_offset == o.src_offset:
+                    if o.dst == OUT and o.dst_offset == o.src_offset + shift:
                         continue      # in place: the data is already there
-                    if hits(landing, o.src_offset, o.count):
+                    if hits(landing, o.src_offset + shift, o.count):
                         return False  # folded into a receive, it reads `in` while data lands
             if o.dst == OUT and o.count:
                 dirty.append((o.dst_offset, o.dst_offset + o.count))
         for o in st:
-            if isinstance(o, Send) and o.buf == IN and (hits(dirty, o.offset, o.count)
-                                                         or hits(landing, o.offset, o.count)):
+            if isinstance(o, Send) and o.buf == IN and (
+                    hits(dirty, o.offset + shift, o.count) or hits(landing, o.offset + shift,
+                                                                   o.count)):
                 return False
         dirty.extend(landing)
     return True

@@ -14,19 +14,40 @@ COUNTS = (1, 7, FUSE_MIN_COUNT + 3)      # the last one takes the fused path
 
 
 def _in_place_vs_out_of_place(comm, algo):
+    """Every collective whose input and output can share memory (nccl-tests' in-place layouts:
+    the same buffer, or a rank's block of the other), against the out-of-place call."""
     p, r = comm.size, comm.rank
     bad = []
     for n in COUNTS:
         x = (np.arange(n, dtype=np.float64) % 97 + 1) * (r + 1)
+        blocks = (np.arange(p * n, dtype=np.float64) % 89 + 1).reshape(p, n) * (r + 2)
         for coll, root in (("allreduce", 0), ("broadcast", 0), ("broadcast", p - 1),
-                           ("reduce", 0), ("reduce", p - 1)):
-            kw = {"algorithm": algo} if coll == "allreduce" else {"algorithm": algo, "root": root}
-            ref = getattr(comm, coll)(x.copy(), **kw)
-            y = x.copy()
-            if coll == "reduce" and r != root:
-                got = comm.reduce(y, **kw)
+                           ("reduce", 0), ("reduce", p - 1), ("alltoall", 0),
+                           ("allgather", 0), ("gather", p - 1), ("reduce_scatter", 0),
+                           ("scatter", p - 1)):
+            kw = {"algorithm": algo}
+            if coll in ("broadcast", "reduce", "gather", "scatter"):
+                kw["root"] = root
+            f = getattr(comm, coll)
+            if coll in ("allgather", "gather"):
+                ref = f(x.copy(), **kw)
+                buf = np.zeros((p, n))
+                buf[r] = x
+                got = f(buf[r], out=buf, **kw) if coll == "allgather" or r == root else \
+                    f(buf[r], **kw)
+                got = buf if got is not None else None
+            elif coll in ("reduce_scatter", "scatter"):
+                ref = f(blocks.copy(), **kw)
+                buf = blocks.copy()
+                got = f(buf, out=buf[r], **kw)
+            elif coll == "alltoall":
+                ref = f(blocks.copy(), **kw)
+                buf = blocks.copy()
+                got = f(buf, out=buf, **kw)
             else:
-                got = getattr(comm, coll)(y, out=y, **kw)
+                ref = f(x.copy(), **kw)
+                y = x.copy()
+                got = f(y, **kw) if coll == "reduce" and r != root else f(y, out=y[:], **kw)
             if ref is not None and not np.array_equal(ref, got):
                 bad.append((coll, root, n))
     return bad
