@@ -251,7 +251,8 @@ class Communicator:
                 plan=self._plan(coll, algo, count, root),
                 kernel=_ops.get_kernel(op) if op != "none" else None,
                 rooted=coll in ROOTED,
-                label=f"({algo})", requested=algorithm not in (None, "auto"))
+                # what wait_all names in errors (they add the step and the call's number)
+                label=f"{coll} ({algo})", requested=algorithm not in (None, "auto"))
             if len(self._calls) > 1024:
                 self._calls.clear()
             self._calls[key] = c
@@ -290,7 +291,7 @@ class Communicator:
         try:
             run_plan(plan, self.transport, (inb, outb, tmp[:n]), c.kernel,
                      _new_tag(Tag, (self.comm_id, seq, 0, c.call, count)),
-                     time.monotonic() + self.timeout, f"{c.coll} #{seq} {c.label}")
+                     time.monotonic() + self.timeout, c.label)
         except MismatchError as e:
             # Peers may be blocked on us: make them fail now with the same verdict.
             self.transport.abort(f"MismatchError: {e}")
