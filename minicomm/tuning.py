@@ -35,10 +35,10 @@ contention and the node's cores. At communicator start (``agree_link_model``, ca
 ``connect_world``) rank 0 reads ``links-<hostname>.json`` from the cache directory, or measures
 what it lacks, on a two-rank communicator of rank 0 and a peer over that link (``probe_link``:
 three 8-byte calls whose differences, against the simulator's prediction for the same schedules,
-give o and α; ``PROBE_BYTES`` exchanged (both ranks copy at once) and sent one way (one copies at
-a time) for β and contention; ``probe_wake``: a message to a sleeping rank; ``measure_local``: γ
-and δ with numpy on 32 MiB). It writes the cache (so a machine measures once: delete the file to
-measure again, best on an idle machine) and sends its values, and the tuned-table entries of
+give o and α, then ``PROBE_BYTES`` exchanged and sent one way for β; ``probe_contention``: copies
+by one rank, then by two at once; ``probe_wake``: a message to a sleeping rank; ``measure_local``:
+γ and δ with numpy on 32 MiB). It writes the cache (so a machine measures once: delete the file
+to measure again, best on an idle machine) and sends its values, and the tuned-table entries of
 this world's transports, to every rank: the choice is identical on every rank even when their
 own measurements or files would differ. ``MINICOMM_TUNE=0`` measures nothing (the constants
 ``DEFAULT_LINKS``, ``GAMMA``, ``DELTA``, ``WAKE``; a tuned table is still followed). A corrupt
@@ -128,10 +128,11 @@ SIM_MAX_RANKS = 16         # simulate up to this many ranks (a few ms per new si
 # shm.py CHUNK), a socket delivers what has arrived.
 PIPELINE_CHUNK = {"shm": 1 << 20}
 STREAM_CHUNK = 64 << 10
-PROBE_BYTES = 1 << 20      # β and contention: one shm record, so a one-way hop is not pipelined
-MAX_CONTENTION = 4.0
+PROBE_BYTES = 1 << 20      # for β: one shm record, so a one-way hop is not pipelined
+PROBE_REPS = (30, 10)      # repetitions of the small and the large probes (the minimum counts)
+CONTENTION_COPIES = 100    # 1 MiB copies per contention probe (a few ms)
+MAX_CONTENTION = 2.0
 LOCAL_PROBE_BYTES = 32 << 20
-PROBE_REPS = (30, 5)       # repetitions of the small and the large probes (the minimum counts)
 WAKE_PROBE_SLEEP = 2e-3    # long enough for the waiting rank to give up spinning and sleep
 # Work on a core shared by several ranks runs at share / (1 + SHARING_LOSS * (1 - share)): time
 # slicing costs switches and cache refills. Fitted on the 2-core reference box (4 ranks on 2
@@ -634,19 +635,16 @@ def _probe_model(kind: str, o: float, lat: float, beta: float, gamma: float,
     return LinkModel(a, beta, a, beta, gamma, delta, o, o, 0.0, contention, 0, kind, kind)
 
 
-def probe_link(pair, kind: str, gamma: float, delta: float,
-               contention: Optional[float] = None) -> Dict[str, float]:
+def probe_link(pair, kind: str, gamma: float, delta: float, contention: float) -> Dict[str, float]:
     """α, β and o of the link between the two ranks of ``pair`` (a 2-rank communicator; both
-    call; rank 0's values count), and the node's contention unless it is given. Each probe is the
-    fastest of ``PROBE_REPS`` calls; every value is fitted so that the simulator, run on the very
-    schedules probed, predicts what was measured.
+    call; rank 0's values count). Each probe is the fastest of ``PROBE_REPS`` calls; every value
+    is fitted so that the simulator, run on the very schedules probed, predicts what was measured.
 
     Three 8-byte calls: rhd allgather (one exchange step), ring allreduce (two exchange steps),
     tree allreduce (two one-way hops): their differences cancel the per-call cost and give o and
     the latency (the prediction is linear in both). Then ``PROBE_BYTES`` through the same rhd
     allgather (both ranks copy at once) and tree allreduce (one copies at a time), less their
-    8-byte times: β, and the contention that makes the two agree (bisection; 0 when the ranks do
-    not slow each other down)."""
+    8-byte times: β by least squares (no less than δ/4: a byte is copied in and out)."""
     small = np.zeros(2, dtype=np.float32)
     large = np.zeros(PROBE_BYTES // 4, dtype=np.float32)
     one = _probe_min(lambda: pair.allgather(small, algorithm="rhd"), PROBE_REPS[0])
@@ -657,9 +655,9 @@ def probe_link(pair, kind: str, gamma: float, delta: float,
     probes = (("allgather", "rhd"), ("allreduce", "ring"), ("allreduce", "tree"))
 
     def sim(i: int, o: float, lat: float, beta: float = 0.0, count: int = 2,
-            g: float = 0.0, d: float = 0.0, c: float = 0.0) -> float:
+            g: float = 0.0, d: float = 0.0) -> float:
         return schedule_time(*probes[i], 2, count, (0, 0),
-                             _probe_model(kind, o, lat, beta, g, d, c))
+                             _probe_model(kind, o, lat, beta, g, d, contention))
 
     coef = np.array([[sim(i, 1.0, 0.0) - sim(0, 1.0, 0.0), sim(i, 0.0, 1.0) - sim(0, 0.0, 1.0)]
                      for i in (1, 2)])
@@ -667,32 +665,36 @@ def probe_link(pair, kind: str, gamma: float, delta: float,
     o, lat = max(float(o), 0.1e-6), max(float(lat), 0.0)
     n = PROBE_BYTES // 4
 
-    def grow(i: int, beta: float, c: float) -> float:
-        return (sim(i, o, lat, beta, n, gamma, delta, c)
-                - sim(i, o, lat, beta, 2, gamma, delta, c))
+    def grow(i: int, beta: float) -> float:       # the probe's growth from 8 bytes to n floats
+        return sim(i, o, lat, beta, n, gamma, delta) - sim(i, o, lat, beta, 2, gamma, delta)
+    # the growth is linear in β: fit both probes at once
+    base = np.array([grow(0, 0.0), grow(2, 0.0)])
+    slope = (np.array([grow(0, 1e-9), grow(2, 1e-9)]) - base) / 1e-9
+    excess = np.array([big_x - one, big_h - hops]) - base
+    beta = float(slope @ excess / (slope @ slope))
+    return {"alpha": 3 * o + lat, "beta": max(beta, delta / 4), "overhead": o}
 
-    def beta_for(c: float) -> float:
-        slope = (grow(0, 1e-9, c) - grow(0, 0.0, c)) / 1e-9
-        return max((big_x - one - grow(0, 0.0, c)) / slope, 1e-12)
 
-    def hop_excess(c: float) -> float:       # predicted minus measured one-way growth
-        return grow(2, beta_for(c), c) - (big_h - hops)
+def probe_contention(pair, reps: int = 5) -> float:
+    """How much two ranks of one host working at once slow each other down (rank 0's value
+    counts): rank 0 times ``CONTENTION_COPIES`` copies of 1 MiB alone (rank 1 sleeps in a
+    barrier), then both do at the same time; fastest of ``reps`` each; ratio - 1, at least 0."""
+    a = np.ones(1 << 18, dtype=np.float32)
+    b = np.ones(1 << 18, dtype=np.float32)
 
-    measured = contention is None
-    if measured:
-        lo, hi = 0.0, MAX_CONTENTION
-        if hop_excess(lo) <= 0:
-            hi = lo
-        elif hop_excess(hi) >= 0:
-            lo = hi
-        for _ in range(30):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if hop_excess(mid) > 0 else (lo, mid)
-        contention = (lo + hi) / 2
-    out = {"alpha": 3 * o + lat, "beta": beta_for(contention), "overhead": o}
-    if measured:
-        out["contention"] = contention
-    return out
+    def copies() -> float:
+        t = time.perf_counter()
+        for _ in range(CONTENTION_COPIES):
+            np.copyto(a, b)
+        return time.perf_counter() - t
+    alone = together = math.inf
+    for _ in range(reps):
+        pair.barrier(algorithm="rhd")
+        if pair.rank == 0:
+            alone = min(alone, copies())
+        pair.barrier(algorithm="rhd")
+        together = min(together, copies())
+    return min(MAX_CONTENTION, max(0.0, together / alone - 1)) if pair.rank == 0 else 0.0
 
 
 def probe_wake(pair, reps: int = 5) -> float:
@@ -805,18 +807,20 @@ def _measure_links(comm, near: Optional[int], far: Optional[int], intra: str,
         host = pair.broadcast_object(socket.gethostname(), root=1)
         local = host == socket.gethostname()
         name = kind if local else f"{kind}>{host}"
-        todo = [cache["links"].get(name) is None, local and "wake" not in cache] if rank == 0 \
-            else [0, 0]
+        # host-wide values are measured by a pair on this host, the link by its own pair
+        todo = [local and "contention" not in cache, cache["links"].get(name) is None,
+                local and "wake" not in cache] if rank == 0 else [0, 0, 0]
         todo = pair.broadcast(np.array(todo, dtype=np.int64), root=0, algorithm="tree")
         if todo[0]:
-            # contention is the host's: measured with a pair on this host, used for the others
-            got = probe_link(pair, kind, cache.get("gamma", 0.0), cache.get("delta", 0.0),
-                             cache.get("contention") if local else cache.get("contention", 0.0))
+            contention = probe_contention(pair)
             if rank == 0:
-                if "contention" in got:
-                    cache["contention"] = got.pop("contention")
-                cache["links"][name], dirty = got, True
+                cache["contention"], dirty = contention, True
         if todo[1]:
+            got = probe_link(pair, kind, cache.get("gamma", DELTA), cache.get("delta", DELTA),
+                             cache.get("contention", 0.0))
+            if rank == 0:
+                cache["links"][name], dirty = got, True
+        if todo[2]:
             wake = probe_wake(pair)
             if rank == 0:
                 cache["wake"], dirty = wake, True
