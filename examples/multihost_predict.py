@@ -21,10 +21,9 @@ Two predictions, both with ``minicomm.tuning``'s own formulas (``flat_cost`` for
           if it had the host's NIC to itself;
   nic     the same formulas with β_inter multiplied by the number of ranks of one host that
           cross the network at the same time (the host's ranks share one NIC): 1 for a flat
-          ring (one rank per host sends across at a time) and for hier's leader-only inter
-          phases; L (ranks per host) for hier's allreduce, whose inter phase runs the L shards'
-          allreduces at once while ``hier_cost`` charges one shard (n/L). (Its reduce_scatter
-          inter term already charges n·L, the NIC's load, so it keeps 1.) A flat rhd allreduce
+          ring (one rank per host sends across at a time); ``hier_cost`` already charges the
+          NIC's load (allreduce's L shard allreduces at once, reduce_scatter's L blocks, the
+          leaders' phases of the others), so hier's two columns agree. A flat rhd allreduce
           pairs ranks of different hosts in its large halving steps when nodes are blocks of
           ranks: its nic prediction charges the bytes that leave a host in each step
           (``nic_rhd_allreduce``). Blank where the sharing is not that simple (ring alltoall,
@@ -159,16 +158,14 @@ def predictions(comm, coll, n, algo, links):
     """(model, nic) predicted seconds for n bytes per rank (vector, or block of the blocked
     collectives), see the module doc; None where there is no formula."""
     p, topo, g = comm.size, comm.topology, links["gamma"]
-    L = max(list(topo).count(h) for h in set(topo))
     if algo == "hier":
         def hier(nic_share):
             m = LinkModel(links["alpha_intra"], links["beta_intra"], links["alpha_inter"],
                           links["beta_inter"] * nic_share, g)
             return hier_cost(coll, p, n, topo, m)
-        # allreduce's inter phase runs on every local index at once while hier_cost charges one
-        # shard; reduce_scatter's inter term already charges all L blocks; the other
-        # collectives cross the network from the node leaders only
-        return hier(1), hier(L if coll == "allreduce" else 1)
+        # hier_cost already charges what shares the NIC (allreduce's L shards at once,
+        # reduce_scatter's L blocks; the other collectives cross from the leaders only)
+        return hier(1), hier(1)
     # a flat family across hosts is charged the inter link throughout (tuning's convention)
     plain = flat_cost(coll, algo, p, n, links["alpha_inter"], links["beta_inter"], g)
     if algo == "ring" and coll != "alltoall":      # ring alltoall is pairwise shifts, not a ring

@@ -515,8 +515,10 @@ def hier_cost(collective: str, p: int, n: float, topology: Sequence[int],
     intra_ring = lambda coll, nn: flat_cost(coll, "ring", local, nn, ai, bi, g)  # noqa: E731
     inter = lambda coll, nn: flat_cost(coll, "rhd", k, nn, ae, be, g)  # noqa: E731
     if collective == "allreduce":
-        return (intra_ring("reduce_scatter", n / local) + inter("allreduce", n / local)
-                + intra_ring("allgather", n / local))
+        # the L shard allreduces cross the network at the same time, so they share the host's
+        # NIC: each moves n/L bytes at 1/L of the link rate
+        shared = flat_cost("allreduce", "rhd", k, n / local, ae, be * local, g)
+        return intra_ring("reduce_scatter", n / local) + shared + intra_ring("allgather", n / local)
     if collective == "reduce":
         return intra_ring("reduce", n) + inter("reduce", n)
     if collective == "broadcast":
