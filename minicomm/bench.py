@@ -227,7 +227,7 @@ class Buffers:
 
     def __init__(self, case: Case, op: str, rank: int, root: int):
         self.case, self.rank = case, rank
-        dt, c, n = case.dtype, case.count, case.n
+        dt, c = case.dtype, case.count
         coll = case.collective
         self.send = np.empty(case.in_count, dtype=dt)
         self.recv = np.empty(case.out_count, dtype=dt)

@@ -16,7 +16,6 @@ import queue
 import sys
 import threading
 import time
-import traceback
 import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 

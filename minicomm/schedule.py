@@ -35,7 +35,7 @@ Buffer sizes per collective (n = the per-rank block ``count``, p = world size):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 IN, OUT, TMP = "in", "out", "tmp"

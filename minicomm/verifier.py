@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from itertools import repeat
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from .schedule import (IN, OUT, TMP, Copy, Recv, Reduce, Schedule, Send,
                        buffer_counts)

@@ -37,7 +37,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from minicomm.errors import CommError, CommTimeout, PeerFailure, describe_call
-from .base import ReduceFn, Request, Tag, check_tag
+from .base import ReduceFn, Request, Tag, Transport, check_tag
 
 EDGE = select.EPOLLIN | select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
 SPIN_S = 50e-6                        # spin about one blocking wake-up's cost, then sleep
@@ -337,3 +337,29 @@ def peer_failure(engine, req: Req, what: str, reason: str) -> PeerFailure:
     direction = "sending to" if req.is_send else "receiving from"
     return PeerFailure(f"{what}: rank {engine.rank} {direction} rank {req.peer} over "
                        f"{engine.name} at step {req.tag.step} of call #{req.tag.seq}: {reason}")
+
+
+class LinkEngine(Transport):
+    """What the shm and tcp engines share: one link object per peer (``_link(peer)``) holding
+    an ``inbox`` and a ``closed`` reason, and an ``_aborted`` reason for this rank."""
+    name = "link"
+    rank: int
+    peer_ranks: List[int]
+    _aborted: Optional[str]
+
+    def _link(self, peer: int):
+        raise NotImplementedError
+
+    def check(self, req: Req, what: str) -> None:
+        link = self._link(req.peer)
+        if not req.is_send and link.inbox.error is not None:
+            e = link.inbox.error
+            raise type(e)(str(e))
+        if self._aborted is not None:
+            raise peer_failure(self, req, what, f"this rank aborted: {self._aborted}")
+        if link.closed is not None:
+            raise peer_failure(self, req, what, link.closed)
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}: {self.name} to {self.peer_ranks}" if self.peer_ranks
+                else f"rank {self.rank}: no peers")

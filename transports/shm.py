@@ -50,8 +50,8 @@ import numpy as np
 
 from minicomm.errors import CommError, CommTimeout
 from minicomm.rendezvous import accept_peers, dial_peer
-from .base import ReduceFn, Request, Tag, Transport
-from .progress import Inbox, Progress, Req, deliver, fence, peer_failure
+from .base import ReduceFn, Request, Tag
+from .progress import Inbox, LinkEngine, Progress, Req, deliver, fence
 
 SHM_DIR = "/dev/shm"
 PAGE = 4096
@@ -145,7 +145,7 @@ class _Peer:
         self.closed: Optional[str] = None
 
 
-class ShmTransport(Transport):
+class ShmTransport(LinkEngine):
     name = "shm"
 
     def __init__(self, rank: int, size: int, store, job_id: str, peers, timeout: float,
@@ -517,21 +517,10 @@ class ShmTransport(Transport):
             elif _ABORT in data:
                 p.closed = _ABORTED + data[data.index(_ABORT) + 1:].decode(errors="replace")
 
-    def check(self, req: Req, what: str) -> None:
-        p = self._peers[req.peer]
-        if not req.is_send and p.inbox.error is not None:
-            e = p.inbox.error
-            raise type(e)(str(e))
-        if self._aborted is not None:
-            raise peer_failure(self, req, what, f"this rank aborted: {self._aborted}")
-        if p.closed is not None:
-            raise peer_failure(self, req, what, p.closed)
+    def _link(self, peer: int):
+        return self._peers[peer]
 
     # --------------------------------------------------------------------------- lifetime
-    def describe(self) -> str:
-        return f"rank {self.rank}: shm to {self.peer_ranks}" if self.peer_ranks else \
-            f"rank {self.rank}: no peers"
-
     def abort(self, reason: str) -> None:
         with self._lock:
             if self._aborted is not None or self._closed:

@@ -40,8 +40,8 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from minicomm.rendezvous import accept_peers, dial_peer
-from .base import ReduceFn, Request, Tag, Transport
-from .progress import Inbox, Progress, Req, deliver, peer_failure
+from .base import ReduceFn, Request, Tag
+from .progress import Inbox, LinkEngine, Progress, Req, deliver
 
 _FRAME = struct.Struct("<6q")
 FRAME = _FRAME.size
@@ -77,7 +77,7 @@ def _split_addr(value: str):
     return host.strip("[]"), int(port)
 
 
-class TcpTransport(Transport):
+class TcpTransport(LinkEngine):
     name = "tcp"
 
     def __init__(self, rank: int, size: int, store, token: bytes, peers, bind_host: str,
@@ -309,21 +309,10 @@ class TcpTransport(Transport):
         if ev & _WRITE_EV:
             c.writable = True
 
-    def check(self, req: Req, what: str) -> None:
-        c = self._conns[req.peer]
-        if not req.is_send and c.inbox.error is not None:
-            e = c.inbox.error
-            raise type(e)(str(e))
-        if self._aborted is not None:
-            raise peer_failure(self, req, what, f"this rank aborted: {self._aborted}")
-        if c.closed is not None:
-            raise peer_failure(self, req, what, c.closed)
+    def _link(self, peer: int):
+        return self._conns[peer]
 
     # --------------------------------------------------------------------------- lifetime
-    def describe(self) -> str:
-        return f"rank {self.rank}: tcp to {self.peer_ranks}" if self.peer_ranks else \
-            f"rank {self.rank}: no peers"
-
     def abort(self, reason: str) -> None:
         with self._lock:
             if self._aborted is not None or self._closed:
