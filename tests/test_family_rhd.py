@@ -6,22 +6,14 @@ import time
 import pytest
 
 from minicomm.algorithms import build_all, rhd
-from minicomm.schedule import COLLECTIVES, ROOTED, Recv, Send
+from minicomm.schedule import COLLECTIVES, Recv, Send
 from minicomm.verifier import VerificationError, verify
 
-SIZES = range(1, 21)
+from family_cases import SIZES, ceil_lg, counts, roots, verify_every_root_and_count, verify_large_world
 
 
-def counts(collective, p):
-    return [0] if collective == "barrier" else sorted({0, 1, 3, p + 1, 2 * p + 3})
 
 
-def roots(collective, p):
-    return range(p) if collective in ROOTED else [0]
-
-
-def ceil_lg(p):
-    return (p - 1).bit_length()
 
 
 def lg_pow2_floor(p):
@@ -36,11 +28,7 @@ def build_direct(collective, p, n, root=0):
 @pytest.mark.parametrize("p", SIZES)
 @pytest.mark.parametrize("collective", COLLECTIVES)
 def test_verifies_every_size_root_count(collective, p):
-    for n in counts(collective, p):
-        for root in roots(collective, p):
-            scheds = build_all(collective, "rhd", p, n, root)
-            assert all(s.algorithm == "rhd" for s in scheds)
-            verify(scheds)
+    verify_every_root_and_count("rhd", collective, p)
 
 
 @pytest.mark.parametrize("p", SIZES)
@@ -63,9 +51,7 @@ def test_allreduce_variant_switches_at_threshold(p):
 @pytest.mark.parametrize("collective", COLLECTIVES)
 @pytest.mark.parametrize("p", [31, 64])
 def test_verifies_large_worlds(collective, p):
-    n = 0 if collective == "barrier" else p + 1
-    for root in sorted({0, p // 2, p - 1} & set(roots(collective, p))):
-        verify(build_all(collective, "rhd", p, n, root))
+    verify_large_world("rhd", collective, p)
 
 
 def expected_steps(collective, p, n):

@@ -7,15 +7,10 @@ from minicomm.algorithms import build_all, ring
 from minicomm.schedule import COLLECTIVES, ROOTED, Copy, Recv, Send
 from minicomm.verifier import VerificationError, verify
 
-SIZES = range(1, 21)
+from family_cases import SIZES, verify_every_root_and_count, verify_large_world
 
 
-def counts(p):
-    return sorted({0, 1, 3, p + 1, 2 * p + 3})
 
-
-def roots(collective, p):
-    return range(p) if collective in ROOTED else [0]
 
 
 def build_direct(collective, p, n, root=0):
@@ -26,18 +21,13 @@ def build_direct(collective, p, n, root=0):
 @pytest.mark.parametrize("p", SIZES)
 @pytest.mark.parametrize("collective", COLLECTIVES)
 def test_verifies_every_size_root_count(collective, p):
-    for n in counts(p):
-        for root in roots(collective, p):
-            scheds = build_all(collective, "ring", p, n, root)
-            assert all(s.algorithm == "ring" for s in scheds)
-            verify(scheds)
+    verify_every_root_and_count("ring", collective, p)
 
 
 @pytest.mark.parametrize("collective", COLLECTIVES)
 @pytest.mark.parametrize("p", [31, 64])
 def test_verifies_large_worlds(collective, p):
-    for root in sorted({0, p // 2, p - 1} & set(roots(collective, p))):
-        verify(build_all(collective, "ring", p, p + 1, root))
+    verify_large_world("ring", collective, p)
 
 
 def expected_comm_steps(collective, p):

@@ -4,23 +4,15 @@ import dataclasses
 import pytest
 
 from minicomm.algorithms import build_all, tree
-from minicomm.schedule import COLLECTIVES, ROOTED, Recv, Send
+from minicomm.schedule import COLLECTIVES, Recv, Send
 from minicomm.verifier import VerificationError, verify
 
-SIZES = range(1, 21)
+from family_cases import SIZES, ceil_lg, roots, verify_every_root_and_count, verify_large_world
+
 TWO_PHASE = {"allreduce", "allgather", "reduce_scatter", "barrier"}   # up the tree, then down
 
 
-def counts(collective, p):
-    return [0] if collective == "barrier" else sorted({0, 1, 3, p + 1, 2 * p + 3})
 
-
-def roots(collective, p):
-    return range(p) if collective in ROOTED else [0]
-
-
-def ceil_lg(p):
-    return (p - 1).bit_length()
 
 
 def build_direct(collective, p, n, root=0):
@@ -31,19 +23,13 @@ def build_direct(collective, p, n, root=0):
 @pytest.mark.parametrize("p", SIZES)
 @pytest.mark.parametrize("collective", COLLECTIVES)
 def test_verifies_every_size_root_count(collective, p):
-    for n in counts(collective, p):
-        for root in roots(collective, p):
-            scheds = build_all(collective, "tree", p, n, root)
-            assert all(s.algorithm == "tree" for s in scheds)
-            verify(scheds)
+    verify_every_root_and_count("tree", collective, p)
 
 
 @pytest.mark.parametrize("collective", COLLECTIVES)
 @pytest.mark.parametrize("p", [31, 64])
 def test_verifies_large_worlds(collective, p):
-    n = 0 if collective == "barrier" else p + 1
-    for root in sorted({0, p // 2, p - 1} & set(roots(collective, p))):
-        verify(build_all(collective, "tree", p, n, root))
+    verify_large_world("tree", collective, p)
 
 
 def expected_steps(collective, p):
