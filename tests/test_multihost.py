@@ -133,6 +133,15 @@ def _expected_transports(layout, rank):
     return f"rank {rank}: " + ", ".join(parts)
 
 
+def _block_layout(layout):
+    """(rank, node, local rank, ranks on the node) for ranks laid out in blocks by host."""
+    rank = 0
+    for node, slots in enumerate(layout):
+        for local in range(slots):
+            yield rank, node, local, slots
+            rank += 1
+
+
 def _reports(stdout, size):
     """{rank: JSON object} from the ranks' one-line reports; every line must be prefixed."""
     reports = {}
@@ -153,24 +162,21 @@ def test_layout_and_environment(netns_cluster, tmp_path, layout):
     assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
     size = sum(layout)
     reports = _reports(res.stdout, size)
-    rank = 0
-    for node, slots in enumerate(layout):
-        for local in range(slots):
-            r = reports[rank]
-            expect = [rank, size, local, slots, node, len(layout)]
-            env = r["env"]
-            assert [int(env[k]) for k in ("MINICOMM_RANK", "MINICOMM_SIZE", "MINICOMM_LOCAL_RANK",
-                                          "MINICOMM_LOCAL_SIZE", "MINICOMM_NODE",
-                                          "MINICOMM_NUM_NODES")] == expect
-            assert r["host"] == c.names[node]                 # really ran on that host
-            assert env["MASTER_ADDR"] == c.gateway
-            assert r["token_len"] == 64 and r["on_cmdline"] == []
-            assert r["comm"] == expect
-            assert r["allreduce"] == size * (size + 1) / 2
-            # MINICOMM_DEBUG=info (forwarded by the launcher) logs each rank's transports
-            assert (f"[{rank}] [minicomm rank {rank}] transports: "
-                    f"{_expected_transports(layout, rank)}") in res.stderr.splitlines()
-            rank += 1
+    for rank, node, local, slots in _block_layout(layout):
+        r = reports[rank]
+        expect = [rank, size, local, slots, node, len(layout)]
+        env = r["env"]
+        assert [int(env[k]) for k in ("MINICOMM_RANK", "MINICOMM_SIZE", "MINICOMM_LOCAL_RANK",
+                                      "MINICOMM_LOCAL_SIZE", "MINICOMM_NODE",
+                                      "MINICOMM_NUM_NODES")] == expect
+        assert r["host"] == c.names[node]                 # really ran on that host
+        assert env["MASTER_ADDR"] == c.gateway
+        assert r["token_len"] == 64 and r["on_cmdline"] == []
+        assert r["comm"] == expect
+        assert r["allreduce"] == size * (size + 1) / 2
+        # MINICOMM_DEBUG=info (forwarded by the launcher) logs each rank's transports
+        assert (f"[{rank}] [minicomm rank {rank}] transports: "
+                f"{_expected_transports(layout, rank)}") in res.stderr.splitlines()
     assert len({r["env"]["MINICOMM_JOB_ID"] for r in reports.values()}) == 1
     assert sorted(l for l in res.stderr.splitlines() if "stderr of rank" in l) == sorted(
         f"[{r}] stderr of rank {r}" for r in range(size))
@@ -187,15 +193,12 @@ def test_every_collective_and_algorithm_across_hosts(netns_cluster, tmp_path, la
     assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
     size = sum(layout)
     reports = _reports(res.stdout, size)
-    rank = 0
-    for node, slots in enumerate(layout):
-        for local in range(slots):
-            r = reports[rank]
-            assert (r["size"], r["host"], r["node"], r["local_rank"]) == (
-                size, c.names[node], node, local)
-            assert r["transports"] == _expected_transports(layout, rank)
-            assert r["algorithms"] == ["ring", "tree", "rhd", "hier", "auto"]
-            rank += 1
+    for rank, node, local, _ in _block_layout(layout):
+        r = reports[rank]
+        assert (r["size"], r["host"], r["node"], r["local_rank"]) == (
+            size, c.names[node], node, local)
+        assert r["transports"] == _expected_transports(layout, rank)
+        assert r["algorithms"] == ["ring", "tree", "rhd", "hier", "auto"]
     # the same number of checks on every rank (each rank checks its own part of every call)
     assert len({r["checks"] for r in reports.values()}) == 1 and reports[0]["checks"] > 1000
     print(f"layout {layout}: {reports[0]['checks']} checks per rank in {took:.1f} s")
