@@ -20,7 +20,7 @@ def _cmd_run(a) -> int:
         print("minicomm run: no script given", file=sys.stderr)
         return 2
     if a.hosts or a.hostfile:
-        from . import sshlaunch
+        from .launch import ssh as sshlaunch
         try:
             hosts = (sshlaunch.parse_hostfile(a.hostfile) if a.hostfile
                      else sshlaunch.parse_hosts(a.hosts))
@@ -31,12 +31,12 @@ def _cmd_run(a) -> int:
     if a.n is None:
         print("minicomm run: give -n N (or --hosts / --hostfile)", file=sys.stderr)
         return 2
-    from .launch import run_local
+    from .launch.local import run_local
     return run_local(a.n, argv, nodes=a.nodes, transport=a.transport, timeout=a.timeout)
 
 
 def _cmd_bench(a) -> int:
-    from .bench import main_from_cli
+    from .tools.bench import main_from_cli
     return main_from_cli(a)
 
 
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("script", nargs=argparse.REMAINDER)
     r.set_defaults(func=_cmd_run)
 
-    from . import bench
+    from .tools import bench
     b = sub.add_parser("bench", help="nccl-tests-style benchmark (with MPICH / gloo side by side)",
                        description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(b)

@@ -24,12 +24,11 @@ import numpy as np
 
 from . import ops as _ops
 from .algorithms import FAMILIES, build_schedule
-from .errors import (CommError, CommTimeout, MismatchError, PeerFailure, describe_call,
-                     pack_call)
+from .cost import LinkModel, choose, parse_algo_env
+from .errors import CommError, CommTimeout, MismatchError, PeerFailure, describe_call, pack_call
 from .executor import Plan, run_plan
 from .schedule import ROOTED
 from .transports.base import Tag
-from .tuning import LinkModel, choose, parse_algo_env
 
 DEFAULT_TIMEOUT = 300.0
 _new_tag = tuple.__new__               # Tag(...) without the namedtuple's Python-level __new__

@@ -21,8 +21,7 @@ from collections import defaultdict
 from itertools import repeat
 from typing import Dict, List, Sequence, Tuple
 
-from .schedule import (IN, OUT, TMP, Copy, Recv, Reduce, Schedule, Send,
-                       buffer_counts)
+from .schedule import IN, OUT, TMP, Copy, Recv, Reduce, Schedule, Send, buffer_counts
 
 
 class VerificationError(AssertionError):
@@ -353,6 +352,7 @@ def run_matrix(max_world: int = 64, all_roots: bool = False, jobs: int = 0, out=
     import sys
     import time
     from concurrent.futures import ProcessPoolExecutor
+
     from .algorithms import FAMILIES
     from .schedule import COLLECTIVES
     out = out or sys.stdout

@@ -1,5 +1,4 @@
 """The public API contract (DESIGN.md) on inproc ranks: errors, out=, async, p2p, objects, split."""
-import os
 
 import numpy as np
 import pytest

@@ -22,14 +22,14 @@ def job_segments(job_id):
 
 def my_worker_processes():
     """Rank processes that are children of this test process (other jobs may run alongside)."""
-    out = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "minicomm._worker"],
+    out = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "minicomm.launch.worker"],
                          capture_output=True, text=True)
     return [int(x) for x in out.stdout.split()]
 
 
 @pytest.fixture(autouse=True)
 def nothing_left_behind():
-    import minicomm.launch as launch
+    from minicomm.launch import local as launch
     launch.last_job_id = None
     yield
     if launch.last_job_id:
@@ -112,9 +112,9 @@ def _mismatch(comm, kind):
             comm.allreduce(np.ones(8 + comm.rank, dtype=np.float32))
         else:
             comm.broadcast(np.ones(8), root=0 if comm.rank == 0 else 1, algorithm="ring")
-    except mc.MismatchError as e:
+    except mc.MismatchError:
         return "MismatchError"
-    except mc.PeerFailure as e:
+    except mc.PeerFailure:
         return "PeerFailure"
     return "no error"
 

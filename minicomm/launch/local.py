@@ -1,8 +1,9 @@
-"""Starting worlds: ``spawn`` (threads or fresh processes), ``init`` (inside a launched process).
+"""Starting worlds on this machine: ``spawn`` (threads or fresh processes) and ``run_local``
+(``minicomm run -n N script.py``).
 
-Process worlds: the parent hosts the rendezvous store (authenticated with a fresh job token), starts
-``world_size`` interpreters running ``python -m minicomm._worker``, and hands each its function,
-arguments and configuration over its stdin (cloudpickle; the token never appears on a command
+Process worlds: the parent hosts the rendezvous store (authenticated with a fresh job token),
+starts ``world_size`` interpreters running ``python -m minicomm.launch.worker``, and hands each
+its function, arguments and configuration over its stdin (cloudpickle; the token never appears on a command
 line). Each child writes one result record to a private pipe. The child keeps reading its stdin:
 end-of-file means the parent is gone, and the child exits rather than linger as an orphan.
 
@@ -23,23 +24,17 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import cloudpickle
 
-from .communicator import Communicator
-from .errors import CommError, PeerFailure, SpawnError
-from .tuning import LinkModel, agree_link_model
+from ..communicator import Communicator
+from ..cost import LinkModel
+from ..errors import CommError, PeerFailure, SpawnError
+from ..rendezvous import StoreServer
+from .world import TRANSPORTS, node_map
 
-TRANSPORTS = ("auto", "shm", "tcp", "rdma", "ub", "inproc")
 FAILURE_GRACE = 5.0     # seconds the surviving ranks get to notice a failure by themselves
-
-
-def node_map(world_size: int, nodes: int) -> Tuple[int, ...]:
-    """``nodes`` emulated nodes as blocks of consecutive ranks (sizes differ by at most one)."""
-    if not 1 <= nodes <= max(1, world_size):
-        raise ValueError(f"nodes={nodes} must be between 1 and world_size={world_size}")
-    return tuple(r * nodes // world_size for r in range(world_size))
 
 
 # ---------------------------------------------------------------------------------- spawn
@@ -74,7 +69,7 @@ def _raise_spawn_error(failures, world_size: int):
 
 
 def _spawn_threads(fn, world_size, args, topology, timeout):
-    from .transports.inproc import Fabric, InprocTransport
+    from ..transports.inproc import Fabric, InprocTransport
     fabric = Fabric(world_size)
     results: List[Any] = [None] * world_size
     failures = []
@@ -113,7 +108,7 @@ def _spawn_threads(fn, world_size, args, topology, timeout):
 
 def _sweep(job_id: str) -> None:
     try:
-        from .transports.shm import sweep_job_segments
+        from ..transports.shm import sweep_job_segments
     except ImportError:       # shm transport not available: nothing of ours can be in /dev/shm
         return
     sweep_job_segments(job_id)
@@ -124,7 +119,6 @@ last_job_id: Optional[str] = None   # of the latest process job (tests check it 
 
 def _spawn_processes(fn, world_size, args, transport, topology, timeout):
     global last_job_id
-    from .rendezvous import StoreServer
     job_id = last_job_id = secrets.token_hex(6)
     token = secrets.token_bytes(32)
     server = StoreServer("127.0.0.1", 0, token)
@@ -139,7 +133,7 @@ def _spawn_processes(fn, world_size, args, transport, topology, timeout):
                        job_id=job_id, transport=transport, timeout=timeout, result_fd=wfd,
                        sys_path=list(sys.path), cwd=os.getcwd())
             payload = cloudpickle.dumps(cfg) + blob
-            p = subprocess.Popen([sys.executable, "-m", "minicomm._worker"], stdin=subprocess.PIPE,
+            p = subprocess.Popen([sys.executable, "-m", "minicomm.launch.worker"], stdin=subprocess.PIPE,
                                  pass_fds=(wfd,), cwd=os.getcwd())
             os.close(wfd)
             readers[rank] = rfd
@@ -224,102 +218,12 @@ def _collect(procs, readers, world_size, timeout):
     return results
 
 
-# ---------------------------------------------------------------------------------- init
-def _env_int(*names: str) -> Optional[int]:
-    for n in names:
-        v = os.environ.get(n)
-        if v not in (None, ""):
-            return int(v)
-    return None
-
-
-def init(transport: Optional[str] = None, timeout: Optional[float] = None) -> Communicator:
-    """The world communicator of a process started by ``minicomm run``, torchrun, mpirun or srun."""
-    rank = _env_int("MINICOMM_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
-    size = _env_int("MINICOMM_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
-    if rank is None or size is None:
-        raise CommError("mc.init(): no launcher environment found (MINICOMM_RANK/SIZE, RANK/"
-                        "WORLD_SIZE, OMPI_COMM_WORLD_*, PMI_*, SLURM_*); start the script with "
-                        "`minicomm run -n N script.py` or use mc.spawn")
-    addr = os.environ.get("MINICOMM_MASTER_ADDR") or os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = _env_int("MINICOMM_MASTER_PORT")
-    foreign = port is None
-    if foreign:
-        base = _env_int("MASTER_PORT")
-        if base is None:
-            raise CommError("mc.init(): MASTER_PORT (or MINICOMM_MASTER_PORT) is not set")
-        # torchrun's agent already serves its own store on MASTER_PORT: use the next port.
-        port = base + (1 if os.environ.get("TORCHELASTIC_RUN_ID") else 0)
-    token_hex = os.environ.get("MINICOMM_JOB_TOKEN")
-    if token_hex:
-        token = bytes.fromhex(token_hex)
-    else:
-        # Foreign launchers give no secret: derive one all ranks share (no protection against a
-        # local attacker — say so once).
-        token = f"minicomm:{addr}:{port}:{size}".encode()
-        if rank == 0:
-            print("minicomm: no MINICOMM_JOB_TOKEN set; connections are authenticated with a "
-                  "token derived from MASTER_ADDR/PORT only", file=sys.stderr)
-    node = os.environ.get("MINICOMM_NODE")
-    if node is None:
-        import socket
-        node = socket.gethostname()
-    cfg = dict(rank=rank, size=size, node=node, topology=None, master_addr=addr,
-               master_port=port, token=token.hex(), host_store=foreign and rank == 0,
-               job_id=os.environ.get("MINICOMM_JOB_ID") or f"{port}",
-               transport=transport or os.environ.get("MINICOMM_TRANSPORT", "auto"),
-               timeout=timeout)
-    return connect_world(cfg)
-
-
-def connect_world(cfg: Dict[str, Any]) -> Communicator:
-    """Build the world communicator from a configuration (from ``spawn`` or ``init``)."""
-    from .rendezvous import StoreClient, StoreServer
-    rank, size = cfg["rank"], cfg["size"]
-    token = bytes.fromhex(cfg["token"])
-    timeout = cfg.get("timeout")
-    env_timeout = os.environ.get("MINICOMM_TIMEOUT")
-    setup_timeout = float(timeout if timeout is not None else env_timeout or 300.0)
-    kind = cfg["transport"]
-    if kind not in TRANSPORTS or kind == "inproc":
-        raise ValueError(f"transport {kind!r} cannot connect processes; choose auto, shm or tcp")
-    server = None
-    if cfg.get("host_store"):
-        server = StoreServer("0.0.0.0", cfg["master_port"], token)
-    store = StoreClient(cfg["master_addr"], cfg["master_port"], token, timeout=setup_timeout)
-    topology = cfg.get("topology")
-    if topology is None:
-        store.set(f"node/{rank}", str(cfg["node"]).encode())
-        names = [store.get(f"node/{r}").decode() for r in range(size)]
-        topology = tuple(names.index(n) for n in names)
-    from .transports import connect
-    bind = os.environ.get("MINICOMM_BIND") or os.environ.get("MINICOMM_SOCKET_IFNAME_ADDR")
-    t = connect(kind, rank, size, store, cfg["job_id"], token, tuple(topology), setup_timeout,
-                bind_host=bind or ("127.0.0.1" if cfg["master_addr"] in ("127.0.0.1", "localhost")
-                                   else "0.0.0.0"))
-    intra = "tcp" if kind == "tcp" else kind if kind in ("rdma", "ub") else "shm"
-    inter = kind if kind in ("tcp", "rdma", "ub") else "tcp"
-    comm = Communicator(t, rank, size, topology=topology, timeout=timeout,
-                        link_model=LinkModel.for_transports(intra, inter))
-    comm._store, comm._store_server = store, server
-    try:
-        # rank 0's measured (or cached) links and tuned table, so auto agrees on every rank
-        comm.link_model = agree_link_model(comm, intra, inter)
-    except BaseException:
-        comm.close()
-        raise
-    if comm.debug_info and hasattr(t, "describe"):
-        comm._log(f"transports: {t.describe()}")
-    return comm
-
-
 # ---------------------------------------------------------------------------------- run -n
 def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str = "auto",
               timeout: Optional[float] = None, python: str = sys.executable,
               out=None) -> int:
     """``minicomm run -n N script.py args`` on this box: start N ranks, prefix their output with
     ``[rank]``, end them all when one fails or on Ctrl-C/SIGTERM; return the exit status."""
-    from .rendezvous import StoreServer
     out = out or sys.stdout.buffer
     topology = node_map(nprocs, nodes)
     job_id = secrets.token_hex(6)

@@ -1,4 +1,4 @@
-"""Child side of ``mc.spawn``: ``python -m minicomm._worker`` (not a public entry point).
+"""Child side of ``mc.spawn``: ``python -m minicomm.launch.worker`` (not a public entry point).
 
 Reads its configuration and the cloudpickled (fn, args) from stdin, runs ``fn(comm, *args)``, and
 writes one record — ("ok", result) or ("error", (time, summary, lost_a_peer, traceback)) — to the
@@ -47,7 +47,7 @@ def main() -> int:
     comm = None
     try:
         fn, args = cloudpickle.loads(blob)
-        from minicomm.launch import connect_world
+        from minicomm.launch.world import connect_world
         comm = connect_world(cfg)
         record = ("ok", fn(comm, *args))
         code = 0
