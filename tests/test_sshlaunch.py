@@ -136,6 +136,20 @@ def test_failing_rank_ends_the_job(tmp_path):
     assert len(segments) == 4 and not any(os.path.exists(s) for s in segments)
 
 
+
+def test_forced_shm_across_hosts_is_a_clear_error(tmp_path):
+    """Hosts of the list are machines: shm cannot reach another one (unlike emulated nodes of
+    one machine), so forcing it says so instead of hanging or falling back."""
+    script = tmp_path / "job.py"
+    script.write_text("import minicomm as mc\nmc.init(timeout=30)\n")
+    out, err = io.BytesIO(), io.BytesIO()
+    rc = run_multihost([("nodeA", 1), ("nodeB", 1)], [str(script)],
+                       {"MINICOMM_TRANSPORT": "shm"}, ssh=FAKE_SSH, master_addr="127.0.0.1",
+                       cwd=str(tmp_path), out=out, err=err)
+    text = err.getvalue().decode()
+    assert rc != 0
+    assert "transport 'shm' cannot reach ranks [1] on other hosts; use 'auto' or 'tcp'" in text
+
 def test_rank_ignoring_sigterm_is_killed(tmp_path):
     body = """
         import os, signal, sys, time

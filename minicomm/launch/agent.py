@@ -118,6 +118,7 @@ class Agent:
         master = job["master_addr"], str(job["master_port"])
         env.update(MINICOMM_SIZE=str(job["world_size"]), MINICOMM_LOCAL_SIZE=str(job["local_size"]),
                    MINICOMM_NODE=str(job["node"]), MINICOMM_NUM_NODES=str(job["num_nodes"]),
+                   MINICOMM_HOST=str(job["node"]),     # each host of the list is a machine
                    MINICOMM_MASTER_ADDR=master[0], MINICOMM_MASTER_PORT=master[1],
                    MASTER_ADDR=master[0], MASTER_PORT=master[1],
                    MINICOMM_JOB_TOKEN=job["token"], MINICOMM_JOB_ID=job["job_id"])

@@ -4,6 +4,11 @@ Reads ``MINICOMM_*`` (``minicomm run``, the ssh agent), else torchrun's ``RANK``
 ``MASTER_ADDR`` / ``MASTER_PORT``, else Open MPI's ``OMPI_COMM_WORLD_*``, PMI's ``PMI_*``
 (MPICH, Intel MPI) or Slurm's ``SLURM_PROCID`` / ``SLURM_NTASKS``, and connects the world
 (``world.connect_world``). Starts no process.
+
+``MINICOMM_NODE`` names this rank's node (logical; default: the hostname) and ``MINICOMM_HOST``
+its machine (default: the node). ``minicomm run -n N --nodes k`` emulates k nodes on one
+machine (one host, so a forced ``--transport shm`` reaches every node); the ssh agent sets both to
+its host's index (each host is a machine).
 """
 from __future__ import annotations
 
@@ -52,10 +57,13 @@ def init(transport: Optional[str] = None, timeout: Optional[float] = None) -> Co
         if rank == 0:
             print("minicomm: no MINICOMM_JOB_TOKEN set; connections are authenticated with a "
                   "token derived from MASTER_ADDR/PORT only", file=sys.stderr)
+    # The node (logical: minicomm run --nodes emulates several on one machine) and the host (the
+    # machine: what shared memory can reach). Without MINICOMM_NODE both are the hostname.
     node = os.environ.get("MINICOMM_NODE")
     if node is None:
         node = socket.gethostname()
-    cfg = dict(rank=rank, size=size, node=node, topology=None, master_addr=addr,
+    host = os.environ.get("MINICOMM_HOST") or node
+    cfg = dict(rank=rank, size=size, node=node, host=host, topology=None, master_addr=addr,
                master_port=port, token=token.hex(), host_store=foreign and rank == 0,
                job_id=os.environ.get("MINICOMM_JOB_ID") or f"{port}",
                transport=transport or os.environ.get("MINICOMM_TRANSPORT", "auto"),

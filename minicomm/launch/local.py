@@ -18,6 +18,7 @@ import os
 import secrets
 import selectors
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -120,6 +121,7 @@ last_job_id: Optional[str] = None   # of the latest process job (tests check it 
 def _spawn_processes(fn, world_size, args, transport, topology, timeout):
     global last_job_id
     job_id = last_job_id = secrets.token_hex(6)
+    host = socket.gethostname()
     token = secrets.token_bytes(32)
     server = StoreServer("127.0.0.1", 0, token)
     blob = cloudpickle.dumps((fn, args))
@@ -129,6 +131,7 @@ def _spawn_processes(fn, world_size, args, transport, topology, timeout):
         for rank in range(world_size):
             rfd, wfd = os.pipe()
             cfg = dict(rank=rank, size=world_size, node=topology[rank], topology=topology,
+                       hosts=(host,) * world_size,      # emulated nodes, one machine
                        master_addr="127.0.0.1", master_port=server.port, token=token.hex(),
                        job_id=job_id, transport=transport, timeout=timeout, result_fd=wfd,
                        sys_path=list(sys.path), cwd=os.getcwd())
@@ -245,6 +248,7 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
             env = dict(os.environ, MINICOMM_RANK=str(rank), MINICOMM_SIZE=str(nprocs),
                        MINICOMM_LOCAL_RANK=str(same.index(rank)), MINICOMM_LOCAL_SIZE=str(len(same)),
                        MINICOMM_NODE=str(node), MINICOMM_NUM_NODES=str(nodes),
+                       MINICOMM_HOST=socket.gethostname(),    # the nodes are emulated: one host
                        MINICOMM_MASTER_ADDR="127.0.0.1", MINICOMM_MASTER_PORT=str(server.port),
                        MINICOMM_JOB_TOKEN=token.hex(), MINICOMM_JOB_ID=job_id,
                        MINICOMM_TRANSPORT=transport, PYTHONUNBUFFERED="1")

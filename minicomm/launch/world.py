@@ -42,8 +42,19 @@ def node_map(world_size: int, nodes: int) -> Tuple[int, ...]:
 
 
 
+def link_names(kind: str, several_nodes: bool) -> Tuple[str, str]:
+    """The transports carrying intra-node and inter-node pairs (the link model's and the tuned
+    table's names): auto is shm inside a node, tcp between; a forced transport carries both.
+    With one node the inter name keeps its default (tcp for shm), so tables stay keyed alike."""
+    if kind == "auto":
+        return "shm", "tcp"
+    return kind, kind if several_nodes or kind != "shm" else "tcp"
+
+
 def connect_world(cfg: Dict[str, Any]) -> Communicator:
-    """Build the world communicator from a configuration (from ``spawn`` or ``init``)."""
+    """Build the world communicator from a configuration (from ``spawn`` or ``init``): ``rank``,
+    ``size``, ``node`` (logical) or ``topology`` (every rank's), ``host`` (the machine, default
+    the node) or ``hosts`` (every rank's), the store's address and token, ``transport``..."""
     rank, size = cfg["rank"], cfg["size"]
     token = bytes.fromhex(cfg["token"])
     timeout = cfg.get("timeout")
@@ -61,12 +72,15 @@ def connect_world(cfg: Dict[str, Any]) -> Communicator:
         store.set(f"node/{rank}", str(cfg["node"]).encode())
         names = [store.get(f"node/{r}").decode() for r in range(size)]
         topology = tuple(names.index(n) for n in names)
+    hosts = cfg.get("hosts")          # the machines (what shm can reach); default: the nodes
+    if hosts is None:
+        store.set(f"host/{rank}", str(cfg.get("host", cfg["node"])).encode())
+        hosts = tuple(store.get(f"host/{r}").decode() for r in range(size))
     bind = os.environ.get("MINICOMM_BIND") or os.environ.get("MINICOMM_SOCKET_IFNAME_ADDR")
     t = connect(kind, rank, size, store, cfg["job_id"], token, tuple(topology), setup_timeout,
                 bind_host=bind or ("127.0.0.1" if cfg["master_addr"] in ("127.0.0.1", "localhost")
-                                   else "0.0.0.0"))
-    intra = "tcp" if kind == "tcp" else kind if kind in ("rdma", "ub") else "shm"
-    inter = kind if kind in ("tcp", "rdma", "ub") else "tcp"
+                                   else "0.0.0.0"), host_of_rank=tuple(hosts))
+    intra, inter = link_names(kind, len(set(topology)) > 1)
     comm = Communicator(t, rank, size, topology=topology, timeout=timeout,
                         link_model=LinkModel.for_transports(intra, inter, spin=SPIN_S))
     comm._store, comm._store_server = store, server

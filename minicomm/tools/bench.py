@@ -605,7 +605,8 @@ def _mpi_rank(cfg_path: str, out_path: str) -> int:
         cfg = BenchConfig(**json.load(f))
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     os.environ.update(MINICOMM_RANK=str(rank), MINICOMM_SIZE=str(size),
-                      MINICOMM_NODE=str(node_map(size, cfg.nodes)[rank]))
+                      MINICOMM_NODE=str(node_map(size, cfg.nodes)[rank]),
+                      MINICOMM_HOST=socket.gethostname())     # emulated nodes of one machine
     comm = init(transport=cfg.transport, timeout=cfg.timeout)
     try:
         rows = rank_main(comm, cfg, mpi_comm=MPI.COMM_WORLD)

@@ -62,8 +62,9 @@ Table file format (JSON), one entry per measured (key, size)::
 
     key = (collective, world, topology, intra, inter): ``topology`` is the node index of every
     rank (nodes numbered by first appearance, as ``comm.topology``); ``intra`` / ``inter`` are the
-    transports inside a node / between nodes (as ``comm.link_model`` names them: shm+tcp for
-    transport "shm" or "auto", tcp+tcp for "tcp"). ``best`` is the family auto follows;
+    transports inside a node / between nodes (as ``comm.link_model`` names them,
+    ``launch.world.link_names``: shm+tcp for transport "auto" and for "shm" on one node, shm+shm
+    for "shm" across emulated nodes, tcp+tcp for "tcp"). ``best`` is the family auto follows;
     ``seconds`` is informational (median seconds per call).
 """
 from ..cost import LinkModel
