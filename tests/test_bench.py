@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from extras import module_missing, require
 from minicomm.tools import bench, benchspec, peers
 from minicomm.tools.benchspec import (
     COLLECTIVES,
@@ -211,7 +212,7 @@ def test_tune_refuses_benchmark_outputs():
 
 
 def test_plot(tmp_path):
-    pytest.importorskip("matplotlib")
+    require(module_missing("matplotlib", "plot"))
     rows = bench.run(BenchConfig(collectives=["allreduce", "barrier"], sizes=[8, 4096],
                                  nranks=2, transport="inproc", algorithms=["ring", "auto"],
                                  quiet=True, **QUICK))
@@ -231,8 +232,8 @@ def test_missing_peer_is_a_clean_error(monkeypatch):
         BenchConfig(collectives=["allreduce"], sizes=[8], peers=["mpi"], op="avg").validate()
 
 
-@pytest.mark.skipif(peers.mpi_available() is not None, reason=str(peers.mpi_available()))
 def test_peer_mpi_side_by_side():
+    require(peers.mpi_available())
     rows = bench.run(BenchConfig(collectives=["allreduce", "reduce_scatter", "scatter"],
                                  sizes=[4096], nranks=2, transport="shm", peers=["mpi"],
                                  root=1, quiet=True, **QUICK))
@@ -242,8 +243,8 @@ def test_peer_mpi_side_by_side():
         assert r["ratio"] > 0 and r["ip_ratio"] > 0 and r["transport"] == "mpich"
 
 
-@pytest.mark.skipif(peers.gloo_available() is not None, reason=str(peers.gloo_available()))
 def test_peer_gloo_side_by_side():
+    require(peers.gloo_available())
     rows = bench.run(BenchConfig(collectives=["allgather", "alltoall", "gather"], sizes=[4096],
                                  nranks=2, transport="shm", peers=["gloo"], quiet=True, **QUICK))
     assert [r["library"] for r in rows] == ["minicomm", "gloo"] * 3

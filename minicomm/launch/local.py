@@ -260,6 +260,7 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
             for stream in (p.stdout, p.stderr):
                 sel.register(stream, selectors.EVENT_READ, (rank, stream, bytearray()))
         open_streams = 2 * nprocs
+        closed: Dict[int, int] = {}      # rank -> order in which its output first ended
         failed_at = None
         while open_streams or any(p.poll() is None for p in procs):
             if stop["signal"] is not None and failed_at is None:
@@ -278,6 +279,7 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
                         out.write(b"[%d] " % rank + bytes(pending) + b"\n")
                     sel.unregister(stream)
                     open_streams -= 1
+                    closed.setdefault(rank, len(closed))
                     continue
                 pending += data
                 *lines, rest = bytes(pending).split(b"\n")
@@ -285,9 +287,14 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
                 for line in lines:
                     out.write(b"[%d] " % rank + line + b"\n")
                 out.flush()
-            for rank, p in enumerate(procs):
-                rc = p.poll()
-                if rc not in (None, 0) and failed_at is None:
+            # The first rank to fail is the root cause; the others may only have lost it. Ranks
+            # found dead in one pass are ordered by when their output ended (the epoll ready
+            # list keeps that order), not by rank.
+            dead = [(closed.get(r, len(procs)), r) for r, p in enumerate(procs)
+                    if p.poll() not in (None, 0)]
+            for _, rank in sorted(dead)[:1]:
+                rc = procs[rank].poll()
+                if failed_at is None:
                     failed_at = time.monotonic()
                     exit_code = rc if rc > 0 else 128 - rc
                     msg = f"minicomm run: rank {rank} exited with status {rc}; ending the job\n"
