@@ -51,10 +51,14 @@ def link_names(kind: str, several_nodes: bool) -> Tuple[str, str]:
     return kind, kind if several_nodes or kind != "shm" else "tcp"
 
 
-def connect_world(cfg: Dict[str, Any]) -> Communicator:
+def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
     """Build the world communicator from a configuration (from ``spawn`` or ``init``): ``rank``,
     ``size``, ``node`` (logical) or ``topology`` (every rank's), ``host`` (the machine, default
-    the node) or ``hosts`` (every rank's), the store's address and token, ``transport``..."""
+    the node) or ``hosts`` (every rank's), the store's address and token, ``transport``...
+
+    ``store``: a rendezvous store the caller already has (``set``, ``get(key, timeout)``,
+    ``add``, ``local_address()``, ``close()``; minicomm.torch adapts the c10d store torch gives
+    a backend). Then ``master_port`` and ``host_store`` are not used."""
     rank, size = cfg["rank"], cfg["size"]
     token = bytes.fromhex(cfg["token"])
     timeout = cfg.get("timeout")
@@ -64,9 +68,10 @@ def connect_world(cfg: Dict[str, Any]) -> Communicator:
     if kind not in TRANSPORTS or kind == "inproc":
         raise ValueError(f"transport {kind!r} cannot connect processes; choose auto, shm or tcp")
     server = None
-    if cfg.get("host_store"):
-        server = StoreServer("0.0.0.0", cfg["master_port"], token)
-    store = StoreClient(cfg["master_addr"], cfg["master_port"], token, timeout=setup_timeout)
+    if store is None:
+        if cfg.get("host_store"):
+            server = StoreServer("0.0.0.0", cfg["master_port"], token)
+        store = StoreClient(cfg["master_addr"], cfg["master_port"], token, timeout=setup_timeout)
     topology = cfg.get("topology")
     if topology is None:
         store.set(f"node/{rank}", str(cfg["node"]).encode())
