@@ -185,10 +185,32 @@ def _seconds(timeout) -> Optional[float]:
 
 
 # ---------------------------------------------------------------------------------- works
+class _Failed:
+    """What a failed collective's source future carries to ``_unwrap``."""
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _unwrap(source: torch.futures.Future):
+    value = source.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
+
+
 class MinicommWork(dist._Work):
-    """A collective's handle. ``wait()`` returns True or raises the collective's error;
-    ``get_future()`` is a ``torch.futures.Future`` completed (with the output tensors, or with
-    the error) on the group's worker thread; ``result()`` the output tensors."""
+    """A collective's handle. ``wait()`` returns True or raises the collective's error (its own
+    type: ``MismatchError``, ``CommTimeout``, ``PeerFailure``...); ``get_future()`` is a
+    ``torch.futures.Future`` completed on the group's worker thread, with the output tensors or
+    in error; ``result()`` the output tensors.
+
+    The future's error is a real C++ error, not ``Future.set_exception`` (that one completes the
+    future *successfully* with the exception as its value and only Python's ``wait()`` raises
+    it; the DDP reducer would read the exception as its bucket's tensors and crash). It is made
+    by a ``then`` callback that raises, so torch reports it as a ``RuntimeError`` naming the
+    minicomm error (``work.wait()`` raises the original)."""
 
     def __init__(self, description: str, outputs: List[torch.Tensor], engine: "_Engine"):
         super().__init__()
@@ -197,16 +219,14 @@ class MinicommWork(dist._Work):
         self._engine = engine
         self._done = threading.Event()
         self._error: Optional[BaseException] = None
-        self._future = torch.futures.Future()
+        self._source = torch.futures.Future()
+        self._future = self._source.then(_unwrap)
 
     def _finish(self, error: Optional[BaseException]) -> None:
         self._error = error
         self._done.set()
         try:
-            if error is None:
-                self._future.set_result(self._outputs)
-            else:
-                self._future.set_exception(error)
+            self._source.set_result(self._outputs if error is None else _Failed(error))
         except Exception as e:        # a callback misbehaved inside markCompleted: say so
             print(f"minicomm.torch: completing the future of {self.description} raised "
                   f"{type(e).__name__}: {e}", file=sys.stderr)
@@ -440,7 +460,7 @@ class _Engine:
 class _TorchStore:
     """minicomm's rendezvous-store interface over a c10d store: ``set``, ``get(key, timeout)``,
     ``add``, ``local_address``. Keys live under ``minicomm/<generation>/``; torch owns the store
-    (``close`` leaves it open)."""
+    (``close`` drops the reference, leaving it open)."""
 
     def __init__(self, store, timeout: float):
         self._store = store
@@ -484,7 +504,9 @@ class _TorchStore:
             return "127.0.0.1"
 
     def close(self) -> None:
-        pass
+        # torch owns the store; only let go of it (a TCPStore server in this process must be
+        # free to end when torch drops it, so a later init can bind its port again)
+        self._store = None
 
 
 def _store_host(store) -> Optional[str]:
