@@ -6,7 +6,7 @@ import sys
 
 
 def _cmd_verify(a) -> int:
-    from .verifier import run_matrix
+    from .tools.verify import run_matrix
     ok = run_matrix(a.max_world, all_roots=a.all_roots, jobs=a.jobs,
                     collectives=a.collective or None, families=a.algorithm or None)
     return 0 if ok else 1
