@@ -10,9 +10,9 @@ of shape (fan_out,); gradients use the same names and shapes. The loss is the *m
 cross-entropy over the batch, so the mean of equal-sized shards' gradients is exactly the
 gradient of their union — what data-parallel training relies on.
 
-``loss_and_grads(..., on_layer=f)`` calls ``f(names)`` as soon as backward has produced the
-gradients of one layer, last layer first (the order DDP's bucket hooks see), so a trainer can
-start communicating them while backward continues.
+``loss_and_grads(..., on_layer=f)`` calls ``f({"w2": dw2, "b2": db2})`` as soon as backward has
+produced the gradients of one layer, last layer first (the order DDP's bucket hooks see), so a
+trainer can start communicating them while backward continues.
 
 Initialisation is He-normal from ``numpy.random.default_rng(seed)``: the same seed gives the same
 parameters on every process. Cost per step: O(batch x sum(fan_in x fan_out)) flops, two matmuls
@@ -100,12 +100,13 @@ class MLP:
 
     # ------------------------------------------------------------------ backward
     def loss_and_grads(self, params: Params, x: np.ndarray, y: np.ndarray,
-                       on_layer: Optional[Callable[[Tuple[str, str]], None]] = None
+                       on_layer: Optional[Callable[[Dict[str, np.ndarray]], None]] = None
                        ) -> Tuple[float, Params]:
         """Mean cross-entropy and its gradient w.r.t. every parameter (same names, shapes).
 
-        ``on_layer((w_name, b_name))`` runs right after each layer's gradients exist, last
-        layer first."""
+        ``on_layer({w_name: dw, b_name: db})`` runs right after each layer's gradients exist,
+        last layer first; the arrays it gets are the ones returned (do not modify them before
+        backward has finished)."""
         self._check_batch(x, y)
         activations = [x]                 # input of layer k is activations[k-1]
         h = x
@@ -120,11 +121,11 @@ class MLP:
             a_in = activations[k - 1]
             grads[f"w{k}"] = a_in.T @ dz
             grads[f"b{k}"] = dz.sum(axis=0)
+            if on_layer is not None:          # before the rest of backward: overlap starts here
+                on_layer({f"w{k}": grads[f"w{k}"], f"b{k}": grads[f"b{k}"]})
             if k > 1:
                 # ReLU's derivative: 1 where the unit was active (activations hold max(z, 0))
                 dz = (dz @ params[f"w{k}"].T) * (a_in > 0)
-            if on_layer is not None:
-                on_layer((f"w{k}", f"b{k}"))
         ordered: Params = OrderedDict((n, grads[n]) for n in self.param_names())
         return loss, ordered
 
