@@ -384,7 +384,8 @@ def _plot_label(r: Dict[str, object]) -> str:
 
 
 # ------------------------------------------------------------------------------ CLI
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser, modes: bool = True) -> None:
+    """The demo's options (``modes=False``: all but ``--modes``, for scripts making one run)."""
     d = TrainConfig()
     p.add_argument("--steps", type=int, default=d.steps, help=f"SGD steps per run ({d.steps})")
     p.add_argument("--workers", type=int, default=2, help="training processes per distributed "
@@ -396,8 +397,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "table (no progress bars unless stderr is a terminal)")
     p.add_argument("--out", default="minicomm-demo", help="plot directory (./minicomm-demo)")
     p.add_argument("--no-plots", action="store_true", help="write no plots")
-    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                   help=f"comma list from {','.join(ALL_MODES)} (default: %(default)s)")
+    if modes:
+        p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                       help=f"comma list from {','.join(ALL_MODES)} (default: %(default)s)")
     p.add_argument("--staleness", type=int, default=2, help="bound k of ps-ssp (2)")
     p.add_argument("--batch", type=int, default=d.global_batch,
                    help=f"global batch, split across workers ({d.global_batch})")
