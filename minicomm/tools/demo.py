@@ -437,12 +437,12 @@ def run_demo(a, log=sys.stderr) -> Dict[str, object]:
               file=log)
     dataset = load_dataset(a.dataset, seed=config.seed)
     show = (not a.json) or sys.stderr.isatty()
-    if not a.json:
+    if not a.json:                        # stdout: the output says which data was used
         print(f"minicomm demo: {dataset.name} dataset ({len(dataset.y_train)} train / "
               f"{len(dataset.y_test)} test samples, {dataset.num_features} features, "
               f"{dataset.num_classes} classes); MLP {config.model(dataset).sizes}; "
               f"{config.steps} steps of a {config.global_batch}-sample global batch, "
-              f"lr {config.lr}; transport {a.transport}", file=log)
+              f"lr {config.lr}; transport {a.transport}", flush=True)
     results = []
     for spec in specs:
         logs = execute(spec, dataset, config, a.transport, show_progress=show)
