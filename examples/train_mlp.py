@@ -9,7 +9,7 @@ parameter server with ``--servers K``.
     python examples/train_mlp.py --workers 2 --servers 2           # no launcher: spawns locally
 
 Options are ``minicomm demo``'s (``--steps --workers --servers --transport --json --out``, plus
-``--batch --lr --hidden --seed --dataset --staleness``) and ``--mode`` for the one run this
+``--batch --lr --hidden --seed --dataset --staleness --chunk-bytes``) and ``--mode`` for the one run this
 script makes: an allreduce algorithm (ring, tree, rhd, hier, auto; the default without
 ``--servers``) or ps-sync (the default with ``--servers``), ps-async, ps-ssp. Under a launcher the
 world size is ``-n``; ``--workers``, if given, must equal it minus ``--servers``. Rank 0 prints
@@ -66,7 +66,7 @@ def train(comm, a):
     try:
         if spec.servers:
             log = train_ps(comm, dataset, config, num_servers=spec.servers,
-                           staleness=spec.staleness, on_step=bar)
+                           staleness=spec.staleness, chunk_bytes=a.chunk_bytes, on_step=bar)
         else:
             log = train_data_parallel(comm, dataset, config, spec.algorithm, on_step=bar)
     finally:

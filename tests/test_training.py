@@ -354,3 +354,31 @@ def test_demo_rejects_bad_options(capsys):
     assert demo.main(["--workers", "3", "--modes", "single"]) == 2
     assert "multiple" in capsys.readouterr().err
     assert demo.main(["--modes", "single,warp"]) == 2
+
+
+def test_progress_falls_back_to_a_plain_line(monkeypatch, capsys):
+    from minicomm.tools import demo
+    monkeypatch.setitem(sys.modules, "tqdm", None)       # import tqdm -> ImportError
+    bar = demo.Progress("single", 3)
+    for step in range(3):
+        bar(step, 1.0 / (step + 1))
+    bar.close()
+    err = capsys.readouterr().err
+    assert "3/3 steps" in err and "loss 0.3333" in err and err.endswith("\n")
+
+
+def test_example_runs_under_minicomm_run():
+    env = dict(os.environ, PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-m", "minicomm.cli", "run", "-n", "2",
+                          os.path.join(REPO, "examples", "train_mlp.py"), "--json", "--steps",
+                          "20", "--mode", "ring", "--no-plots"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [ln[len("[0] "):] for ln in out.stdout.splitlines() if ln.startswith("[0] {")]
+    assert len(lines) == 1, out.stdout
+    doc = json.loads(lines[0])
+    (run,) = doc["runs"]
+    assert run["mode"] == "allreduce" and run["algorithm"] == "ring" and run["workers"] == 2
+    single = train_single(load_dataset(), TrainConfig(steps=20))
+    want, _ = evaluate(TrainConfig().model(load_dataset()), single.params, load_dataset())
+    assert run["final_loss"] == pytest.approx(want, rel=1e-6)

@@ -50,6 +50,9 @@ ALL_MODES = ("single",) + ALLREDUCE_ALGORITHMS + PS_MODES
 DEFAULT_MODES = ("single", "ring", "rhd", "auto") + PS_MODES
 TRANSPORTS = ("auto", "shm", "tcp", "inproc")
 SPAWN_TIMEOUT = 300.0      # seconds per wait inside a run: a hang fails the run, never the box
+# The demo's model is ~38 KB: with ps.start's 4 MiB default every array would sit whole on one
+# server (w1 alone is 85 % of the model). 8 KiB pieces spread it over the servers, BytePS-style.
+DEMO_CHUNK_BYTES = 8 << 10
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,8 @@ def _ps_rank(comm, dataset, config, servers, staleness, chunk_bytes, show_progre
 
 def execute(spec: RunSpec, dataset: Dataset, config: TrainConfig, transport: str = "auto",
             show_progress: bool = True, bucket_cap: int = DEFAULT_BUCKET_CAP,
-            chunk_bytes: int = 4 << 20, timeout: float = SPAWN_TIMEOUT) -> List[RankLog]:
+            chunk_bytes: int = DEMO_CHUNK_BYTES, timeout: float = SPAWN_TIMEOUT
+            ) -> List[RankLog]:
     """Run one spec; the training ranks' logs (servers dropped), first worker first."""
     import minicomm as mc
     if spec.mode == "single":
@@ -183,8 +187,9 @@ def summarize(spec: RunSpec, logs: List[RankLog], dataset: Dataset,
     received = max(log.bytes_received_per_step for log in logs)
     model_bytes = sum(p.nbytes for p in final.values())
     if spec.mode.startswith("ps-"):
-        # each server carries W/S of the model each way per step (even split assumed)
-        server_bytes = 2.0 * spec.workers * model_bytes / spec.servers
+        # the busiest server receives its share from every worker and sends it back to each
+        shares = logs[0].info.get("server_bytes") or [model_bytes / spec.servers]
+        server_bytes = 2.0 * spec.workers * max(shares)
         worker_bytes = sent + received
         busiest = ("server", server_bytes) if server_bytes >= worker_bytes else \
             ("worker", worker_bytes)
@@ -406,6 +411,8 @@ def add_arguments(p: argparse.ArgumentParser, modes: bool = True) -> None:
     p.add_argument("--lr", type=float, default=d.lr, help=f"SGD learning rate ({d.lr})")
     p.add_argument("--hidden", default=",".join(map(str, d.hidden)),
                    help="hidden layer widths, comma separated (64)")
+    p.add_argument("--chunk-bytes", type=int, default=DEMO_CHUNK_BYTES,
+                   help="PS: arrays above this are split across servers (%(default)s)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dataset", default="auto", choices=DATASETS,
                    help="digits (needs scikit-learn), synthetic, or auto (digits if available)")
@@ -445,7 +452,8 @@ def run_demo(a, log=sys.stderr) -> Dict[str, object]:
               f"lr {config.lr}; transport {a.transport}", flush=True)
     results = []
     for spec in specs:
-        logs = execute(spec, dataset, config, a.transport, show_progress=show)
+        logs = execute(spec, dataset, config, a.transport, show_progress=show,
+                       chunk_bytes=a.chunk_bytes)
         results.append(summarize(spec, logs, dataset, config))
     return {"dataset": dataset.name, "steps": config.steps, "runs": results, "skipped": skipped}
 

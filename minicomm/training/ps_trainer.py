@@ -19,13 +19,17 @@ applied it); a barrier among the workers then lets the first worker pull the fin
 
 Traffic per step per worker: it pushes every gradient and pulls every parameter, so it sends and
 receives the model's size in bytes; the servers together receive and send W times that, and a
-server holding a 1/S share of the model carries W/S of the model in each direction per step.
+server holding a share m_s of the model carries W·m_s in each direction per step
+(``server_shares``: from the server's sharding plan; small ``chunk_bytes`` spread a small model
+evenly, the 4 MiB default leaves each of its arrays whole on one server).
 """
 from __future__ import annotations
 
 import importlib
 import time
-from typing import Optional
+from typing import List, Optional
+
+import numpy as np
 
 from .data import Dataset
 from .single import RankLog, StepCallback, TrainConfig
@@ -65,14 +69,29 @@ def train_ps(comm, dataset: Dataset, config: TrainConfig, num_servers: int = 2,
                       optimizer=ps.SGD(lr=config.lr), chunk_bytes=chunk_bytes)
         if kv is None:
             return None
-        return _work(kv, peers, dataset, config, num_workers, comm.rank - num_servers,
-                     on_step, return_params)
+        return _work(ps, kv, peers, dataset, config, num_servers, num_workers,
+                     comm.rank - num_servers, chunk_bytes, on_step, return_params)
     finally:
         if peers is not None:
             peers.close()
 
 
-def _work(kv, peers, dataset, config, num_workers, worker, on_step, return_params) -> RankLog:
+def server_shares(ps, params, num_servers: int, chunk_bytes: int) -> List[int]:
+    """Bytes of the model each server holds — what one worker's push sends to it (and its pull
+    receives from it) per step. From the parameter server's own sharding plan (``ps.Plan``)
+    where it has one, else an even split."""
+    total = sum(int(np.asarray(p).nbytes) for p in params.values())
+    plan_cls = getattr(ps, "Plan", None)
+    sharding = getattr(ps, "sharding", None)
+    if plan_cls is not None and hasattr(sharding, "key_table"):
+        return list(plan_cls(sharding.key_table(params), num_servers, chunk_bytes)
+                    .bytes_per_server())
+    return [total // num_servers + (1 if s < total % num_servers else 0)
+            for s in range(num_servers)]
+
+
+def _work(ps, kv, peers, dataset, config, num_servers, num_workers, worker, chunk_bytes,
+          on_step, return_params) -> RankLog:
     model = config.model(dataset)
     names = model.param_names()
     try:
@@ -82,7 +101,8 @@ def _work(kv, peers, dataset, config, num_workers, worker, on_step, return_param
         model_bytes = sum(p.nbytes for p in params.values())
         log = RankLog(rank=worker, bytes_sent_per_step=model_bytes,
                       bytes_received_per_step=model_bytes,
-                      info={"model_bytes": model_bytes})
+                      info={"model_bytes": model_bytes,
+                            "server_bytes": server_shares(ps, params, num_servers, chunk_bytes)})
         peers.barrier()                      # everyone starts the clock together
         start = time.perf_counter()
         for step in range(config.steps):
