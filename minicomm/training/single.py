@@ -25,7 +25,7 @@ class TrainConfig:
     """Hyper-parameters shared by every mode (the demo's defaults: test accuracy on digits
     above 0.9 in a fraction of a second of compute)."""
     hidden: Tuple[int, ...] = (64,)
-    steps: int = 200
+    steps: int = 400
     global_batch: int = 64
     lr: float = 0.2
     seed: int = 0
