@@ -21,7 +21,8 @@ samples/s, and the payload bytes one worker sends and receives per step — then
 comparison in terms of the bytes through the busiest endpoint (a server's link vs a worker's).
 Byte counts: allreduce = the Send/Recv ops of each bucket's schedule
 (``minicomm.algorithms.build_schedule``) x itemsize; PS = the gradients a worker pushes and the
-parameters it pulls; a server's share assumes the model splits evenly across the servers.
+parameters it pulls; a server's share comes from the parameter server's sharding plan
+(``--chunk-bytes`` 8 KiB spreads the small model over the servers).
 With matplotlib installed it writes loss-vs-step, loss-vs-time and throughput plots to ``--out``
 (``./minicomm-demo``).
 
