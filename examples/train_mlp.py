@@ -4,6 +4,7 @@ parameter server with ``--servers K``.
     minicomm run -n 4 examples/train_mlp.py                        # 4 workers, allreduce auto
     minicomm run -n 4 examples/train_mlp.py --mode ring --steps 300
     minicomm run -n 4 examples/train_mlp.py --servers 2            # 2 servers + 2 workers, sync
+    minicomm run -n 4 --servers 2 examples/train_mlp.py            # the same, roles from the launcher
     minicomm run -n 4 examples/train_mlp.py --servers 1 --mode ps-async
     minicomm run -n 4 examples/train_mlp.py --servers 2 --mode ps-ssp --staleness 3
     python examples/train_mlp.py --workers 2 --servers 2           # no launcher: spawns locally
@@ -31,7 +32,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(p, modes=False)
-    p.set_defaults(workers=None, servers=0)
+    # `minicomm run -n 6 --servers 2 script.py` hands the PS roles over in MINICOMM_NUM_SERVERS
+    p.set_defaults(workers=None, servers=int(os.environ.get("MINICOMM_NUM_SERVERS") or 0))
     p.add_argument("--mode", choices=demo.ALLREDUCE_ALGORITHMS + demo.PS_MODES, default=None,
                    help="allreduce algorithm, or PS mode with --servers")
     return p.parse_args(argv)

@@ -281,17 +281,26 @@ def comparison(results: List[Dict[str, object]]) -> List[str]:
              f"vs {_label(best_ps)} {best_ps['samples_per_s']:,.0f} samples/s ({ratio:.2f}x)."]
     ar_bytes = best_ar["busiest_endpoint_bytes_per_step"]
     ps_bytes = sync_ps["busiest_endpoint_bytes_per_step"]
+    bytes_ratio = ps_bytes / max(ar_bytes, 1.0)          # > 1: the PS endpoint carries more
+    # how much slower the PS was than allreduce (< 1: faster)
+    time_ratio = best_ar["samples_per_s"] / max(best_ps["samples_per_s"], 1e-12)
     rounds = best_ar.get("message_rounds_per_step")
-    if ps_bytes > 1.05 * ar_bytes:
-        why = (f"the PS funnels {ps_bytes / max(ar_bytes, 1):.1f}x the bytes through each "
-               f"server's link, so its servers are the bottleneck")
-    elif ps_bytes < ar_bytes / 1.05:
-        why = (f"the PS servers carry {ar_bytes / max(ps_bytes, 1):.1f}x fewer bytes than an "
-               f"allreduce worker, bought with {s} extra server processes")
+    latency = (f"a step of this {_human_bytes(best_ar['model_bytes'])} model is latency-bound: "
+               f"a PS step is a push and a pull round trip to each of {s} servers, through "
+               f"{w + s} processes on {os.cpu_count() or '?'} cores, an allreduce step "
+               + (f"{rounds} schedule steps" if rounds else "a few schedule steps")
+               + f" between {best_ar['workers']} processes")
+    if ratio < 1.10:
+        why = "the bytes " + ("are about equal" if 0.9 <= bytes_ratio <= 1.1 else
+                              f"differ {max(bytes_ratio, 1 / bytes_ratio):.1f}x") + \
+              ", and here neither endpoint limited the step"
+    elif time_ratio > 1 and bytes_ratio >= 0.7 * time_ratio:
+        why = f"the server link is the bottleneck: {bytes_ratio:.1f}x the bytes, {ratio:.1f}x slower"
+    elif time_ratio < 1 and bytes_ratio <= 1.4 * time_ratio:
+        why = f"the workers' links are the bottleneck: {1 / bytes_ratio:.1f}x the bytes of a server's"
     else:
-        why = ("the bytes are the same, so what differs is per-message cost: "
-               + (f"{rounds} schedule steps per training step for allreduce vs " if rounds else "")
-               + f"a push and a pull round trip to each of {s} servers for the PS")
+        why = (f"the bytes differ only {max(bytes_ratio, 1 / bytes_ratio):.1f}x, so most of the "
+               f"{ratio:.1f}x is per-message cost: {latency}")
     lines.append(f"Bytes through the busiest endpoint per step (sent+received): allreduce "
                  f"{_human_bytes(ar_bytes)} per worker link, PS {_human_bytes(ps_bytes)} per "
                  f"{sync_ps['busiest_endpoint']} link ({w} workers, {s} servers): {why}.")
