@@ -1,4 +1,4 @@
-"""The ``minicomm`` command: verify | run | bench (later: sim, demo)."""
+"""The ``minicomm`` command: verify | run | bench | demo (later: sim)."""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +40,11 @@ def _cmd_bench(a) -> int:
     return main_from_cli(a)
 
 
+def _cmd_demo(a) -> int:
+    from .tools.demo import main_from_args
+    return main_from_args(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minicomm", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -72,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(b)
     b.set_defaults(func=_cmd_bench)
+
+    from .tools import demo
+    d = sub.add_parser("demo", help="train a numpy MLP every way: single, allreduce, parameter "
+                       "server", description=demo.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo.add_arguments(d)
+    d.set_defaults(func=_cmd_demo)
     return p
 
 
