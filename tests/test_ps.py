@@ -1,0 +1,394 @@
+"""Parameter server: sharding plan, optimizers, wire codec, checkpoints, the shard's consistency
+state machine (driven with fake requests, no communicator), then whole jobs over real transports.
+Every value is checked against an independent numpy reference."""
+from __future__ import annotations
+
+import os
+import stat
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minicomm import ps
+from minicomm.ps import checkpoint, wire
+from minicomm.ps.shard import DEAD, Shard
+from minicomm.ps.sharding import KeySpec, Plan, key_table
+
+F8 = np.dtype("<f8")
+
+
+# ============================================================================ sharding
+def _table(sizes, dtype=F8):
+    return tuple(KeySpec(f"k{i:02d}", np.dtype(dtype), (n,)) for i, n in enumerate(sizes))
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=12),
+       servers=st.integers(1, 5), chunk=st.integers(8, 20000))
+def test_plan_covers_every_element_once_in_contiguous_server_ranges(sizes, servers, chunk):
+    plan = Plan(_table(sizes), servers, chunk)
+    order = []
+    for spec in plan.table:
+        pieces = plan.pieces[spec.name]
+        covered = np.zeros(spec.size, np.int64)
+        for p in pieces:
+            assert 0 < p.nbytes <= max(chunk, spec.dtype.itemsize)
+            covered[p.offset:p.offset + p.count] += 1
+            order.append(p.server)
+        assert (covered == 1).all()
+    assert order == sorted(order)                  # servers own contiguous ranges of the layout
+    assert sum(plan.bytes_per_server()) == sum(s.nbytes for s in plan.table)
+
+
+def test_plan_splits_a_big_array_evenly_across_servers():
+    plan = Plan(_table([2 << 20]), 2, 4 << 20)    # one 16 MiB array, 4 MiB chunks
+    assert [p.server for p in plan.pieces["k00"]] == [0, 0, 1, 1]
+    assert plan.bytes_per_server() == [8 << 20, 8 << 20]
+    many = Plan(_table([1000] * 7 + [3 << 20]), 3, 1 << 20)
+    b = many.bytes_per_server()
+    assert max(b) - min(b) <= 2 * (1 << 20)
+
+
+def test_plan_is_independent_of_dict_order_and_validates():
+    a = key_table({"w": np.zeros(3), "b": np.zeros(2, np.float32)})
+    b = key_table({"b": np.zeros(2, np.float32), "w": np.zeros(3)})
+    assert a == b and [s.name for s in a] == ["b", "w"]
+    assert Plan(a, 2, 8) == Plan(b, 2, 8)
+    with pytest.raises(TypeError):
+        key_table({"w": np.zeros(3, np.int32)})
+    with pytest.raises(TypeError):
+        key_table({1: np.zeros(3)})
+    with pytest.raises(ValueError):
+        key_table({"": np.zeros(3)})
+    with pytest.raises(ValueError):
+        Plan(a, 0, 8)
+    assert Plan(_table([0, 5]), 2, 8).pieces["k00"] == ()   # zero-size keys never travel
+
+
+# ============================================================================ optimizers
+def test_sgd_matches_numpy_reference_with_and_without_momentum():
+    rng = np.random.default_rng(0)
+    for momentum in (0.0, 0.9):
+        opt = ps.SGD(0.05, momentum=momentum)
+        p = rng.standard_normal(50)
+        ref_p, ref_v = p.copy(), np.zeros(50)
+        state = opt.new_state(50, p.dtype)
+        for _ in range(6):
+            g = rng.standard_normal(50)
+            ref_v = momentum * ref_v + 0.5 * g
+            ref_p = ref_p - 0.05 * ref_v
+            opt.step(p, g.copy(), state, scale=0.5)
+        np.testing.assert_allclose(p, ref_p, rtol=1e-12, atol=1e-14)
+
+
+def test_adam_matches_numpy_reference():
+    rng = np.random.default_rng(1)
+    lr, (b1, b2), eps = 0.01, (0.8, 0.99), 1e-6
+    opt = ps.Adam(lr, betas=(b1, b2), eps=eps)
+    p = rng.standard_normal(40)
+    ref, m, v = p.copy(), np.zeros(40), np.zeros(40)
+    state = opt.new_state(40, p.dtype)
+    for t in range(1, 8):
+        g = rng.standard_normal(40)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        ref = ref - lr * (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)
+        opt.step(p, g.copy(), state)
+    np.testing.assert_allclose(p, ref, rtol=1e-10, atol=1e-12)
+    assert int(state["t"][0]) == 7
+
+
+def test_optimizer_arguments_are_validated():
+    for bad in (lambda: ps.SGD(0), lambda: ps.SGD(-1), lambda: ps.SGD(0.1, momentum=1.0),
+                lambda: ps.Adam(0.1, betas=(0.9,)), lambda: ps.Adam(0.1, eps=0)):
+        with pytest.raises(ValueError):
+            bad()
+
+
+# ============================================================================ wire codec
+names = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=20)
+
+
+@settings(max_examples=150, deadline=None)
+@given(opcode=st.sampled_from([wire.PUSH, wire.PULL, wire.PUSHPULL]), seq=st.integers(0, 2**32 - 1),
+       clock=st.integers(0, 2**62),
+       pieces=st.lists(st.tuples(names, st.integers(0, 2**32 - 1), st.integers(0, 2**40),
+                                 st.sampled_from([0, 1, 2])), max_size=6,
+                       unique_by=lambda t: (t[0], t[1])))
+def test_wire_round_trip_of_piece_frames(opcode, seq, clock, pieces):
+    refs = [wire.PieceRef(n, i, c, ps.sharding.DTYPES[d]) for n, i, c, d in pieces]
+    f = wire.decode(wire.encode(opcode, seq, clock=clock, pieces=refs))
+    assert (f.opcode, f.seq, f.clock, f.pieces) == (opcode, seq, clock, refs)
+
+
+@settings(max_examples=100, deadline=None)
+@given(keys=st.lists(st.tuples(names, st.lists(st.integers(0, 1000), max_size=4)), min_size=1,
+                     max_size=5, unique_by=lambda t: t[0]))
+def test_wire_round_trip_of_init_frames(keys):
+    specs = [KeySpec(n, F8, tuple(s)) for n, s in keys]
+    f = wire.decode(wire.encode(wire.INIT, 7, flags=wire.HAS_VALUES, keys=specs))
+    assert f.keys == specs and f.flags == wire.HAS_VALUES
+
+
+def _valid_frames():
+    refs = [wire.PieceRef("w1", 0, 10, F8), wire.PieceRef("b1", 1, 3, F8)]
+    return [wire.encode(wire.PUSH, 3, clock=2, pieces=refs),
+            wire.encode(wire.INIT, 1, keys=[KeySpec("w1", F8, (2, 5))]),
+            wire.encode(wire.CLOSE, 9)]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(which=st.integers(0, 2), data=st.data())
+def test_wire_mutated_frames_decode_or_raise_protocol_error(which, data):
+    frame = bytearray(_valid_frames()[which].tobytes())
+    for _ in range(data.draw(st.integers(1, 4))):
+        kind = data.draw(st.sampled_from(["flip", "cut", "grow"]))
+        if kind == "flip" and frame:
+            i = data.draw(st.integers(0, len(frame) - 1))
+            frame[i] = data.draw(st.integers(0, 255))
+        elif kind == "cut":
+            del frame[data.draw(st.integers(0, len(frame))):]
+        else:
+            frame += bytes(data.draw(st.binary(max_size=20)))
+    try:
+        wire.decode(np.frombuffer(bytes(frame), np.uint8))
+    except wire.ProtocolError:
+        pass                       # the only exception decode may raise
+
+
+def test_wire_names_what_is_wrong():
+    good = _valid_frames()[0].tobytes()
+    head = wire.HEADER.size
+    cases = {
+        "bad magic": b"XXXX" + good[4:],
+        "protocol version": good[:4] + b"\x09" + good[5:],
+        "unknown request opcode": good[:5] + b"\x63" + good[6:],
+        "shorter than": good[:10],
+        "table bytes": good[:-1],
+        "left over": good[:head - 8] + struct.pack("<II", 1, len(good) - head) + good[head:],
+        "reserved byte": good[:head + 3] + b"\x01" + good[head + 4:],
+        "unknown dtype": good[:head + 2] + b"\x07" + good[head + 3:],
+        "utf-8": good[:head + 16] + b"\xff\xfe" + good[head + 18:],
+    }
+    for what, raw in cases.items():
+        with pytest.raises(wire.ProtocolError, match=what):
+            wire.decode(np.frombuffer(raw, np.uint8))
+    dup = wire.encode(wire.PULL, 1, pieces=[wire.PieceRef("a", 0, 1, F8)] * 2)
+    with pytest.raises(wire.ProtocolError, match="twice"):
+        wire.decode(dup)
+    with pytest.raises(wire.ProtocolError, match="uint8"):
+        wire.decode(np.zeros(40, np.float64))
+    assert issubclass(ps.ProtocolError, ps.wire.CommError)
+
+
+# ============================================================================ checkpoints
+def test_checkpoint_round_trip_modes_and_rotation(tmp_path):
+    d = tmp_path / "ckpt"
+    arrays = {"p0": np.arange(5.0), "s0.m": np.ones(5, np.float32)}
+    for u in (5, 10, 15):
+        path = checkpoint.write(str(d), 1, u, {"clocks": [[2, u]]}, arrays)
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert [u for u, _ in checkpoint.available(str(d), 1)] == [10, 15]   # newest KEEP kept
+    assert checkpoint.available(str(d), 0) == []
+    meta, back = checkpoint.read(path)
+    assert meta["updates"] == 15 and meta["server"] == 1 and meta["clocks"] == [[2, 15]]
+    np.testing.assert_array_equal(back["p0"], arrays["p0"])
+    assert back["s0.m"].dtype == np.float32
+    # a torn temporary (a crash mid-write) is never taken for a checkpoint, and is swept
+    (d / ".shard-001-u000000000020.npz.tmp123").write_bytes(b"half")
+    assert [u for u, _ in checkpoint.available(str(d), 1)] == [10, 15]
+    checkpoint.remove_temporaries(str(d), 1)
+    assert not any(n.startswith(".") for n in os.listdir(d))
+    bad = d / checkpoint.shard_file(1, 99)
+    bad.write_bytes(b"not a zip")
+    with pytest.raises(ps.CheckpointError):
+        checkpoint.read(str(bad))
+
+
+# ============================================================================ the shard
+class FakeIO:
+    """The shard's I/O with payloads supplied by the test and responses recorded."""
+
+    def __init__(self):
+        self.payloads = {}
+        self.responses = []
+        self.reads = []
+
+    def give(self, w, seq, arrays):
+        self.payloads[(w, seq)] = [np.asarray(a, F8) for a in arrays]
+
+    def recv_payload(self, w, seq, index, buf):
+        a = self.payloads[(w, seq)][index]
+        if a.size != buf.size:
+            raise ps.shard.Refuse(wire.PROTOCOL, "size")
+        self.reads.append((w, seq, index))
+        buf[...] = a
+
+    def respond(self, w, seq, frame, arrays=()):
+        self.responses.append((w, wire.decode(frame, expect_response=True),
+                               [np.array(a) for a in arrays]))
+
+    def settle(self):
+        return []
+
+    def take(self):
+        out, self.responses = self.responses, []
+        return out
+
+
+KEYS = [KeySpec("w", F8, (4,)), KeySpec("b", F8, (2,))]
+
+
+def _shard(staleness, workers=(1, 2), opt=None):
+    io = FakeIO()
+    sh = Shard(0, 1, list(workers), staleness, opt or ps.SGD(0.5), 1 << 20, io)
+    seq = 100
+    for w in workers:
+        seq += 1
+        lowest = w == min(workers)
+        if lowest:
+            io.give(w, seq, [np.full(2, 1.0), np.arange(4.0)])       # plan order: b, w
+        sh.submit(w, wire.encode(wire.INIT, seq, keys=KEYS,
+                                 flags=wire.HAS_VALUES if lowest else 0))
+        sh.progress()
+    oks = io.take()
+    assert [f.opcode for _, f, _ in oks] == [wire.OK] * len(workers) and sh.init_done
+    return sh, io
+
+
+def _refs(sh):
+    return [wire.PieceRef(p.name, p.index, p.count, p.dtype) for p in sh.plan.on_server(0)]
+
+
+def _push(sh, io, w, seq, clock, gb, gw, opcode=wire.PUSH):
+    io.give(w, seq, [gb, gw])
+    sh.submit(w, wire.encode(opcode, seq, clock=clock, pieces=_refs(sh)))
+    sh.progress()
+
+
+def _pull(sh, w, seq, clock):
+    sh.submit(w, wire.encode(wire.PULL, seq, clock=clock, pieces=_refs(sh)))
+    sh.progress()
+
+
+def test_shard_bsp_averages_a_clock_once_and_defers_what_is_ahead():
+    sh, io = _shard(0)
+    _push(sh, io, 1, 1, 0, [1, 1], [1, 2, 3, 4])
+    assert io.take() == [] and sh.updates == 0              # worker 2 has not pushed clock 0
+    _pull(sh, 1, 2, 1)                                       # pull at clock 1: must wait
+    _push(sh, io, 1, 3, 1, [9, 9], [9, 9, 9, 9])             # clock 1 ahead of the aggregate
+    assert io.take() == [] and (1, 3, 0) not in io.reads     # ... its data not even read yet
+    _push(sh, io, 2, 1, 0, [3, 3], [3, 2, 1, 0])
+    out = io.take()
+    assert sh.updates == 1 and sh.applied == 1
+    ref_b, ref_w = 1.0 - 0.5 * np.array([2.0, 2.0]), np.arange(4.0) - 0.5 * np.array([2.0] * 4)
+    assert [(w, f.seq, f.opcode) for w, f, _ in out] == [(1, 1, wire.OK), (2, 1, wire.OK),
+                                                         (1, 2, wire.OK)]
+    np.testing.assert_allclose(out[2][2][0], ref_b)
+    np.testing.assert_allclose(out[2][2][1], ref_w)
+    assert (1, 3, 0) in io.reads                             # clock 1 of worker 1 now taken in
+    assert sh.clocks == {1: 2, 2: 1}
+
+
+def test_shard_async_applies_each_push_without_averaging():
+    sh, io = _shard(None)
+    _push(sh, io, 1, 1, 0, [1, 1], [1, 1, 1, 1])
+    _push(sh, io, 1, 2, 1, [1, 1], [1, 1, 1, 1])
+    _push(sh, io, 2, 1, 0, [2, 2], [2, 2, 2, 2], opcode=wire.PUSHPULL)
+    out = io.take()
+    assert sh.updates == 3
+    np.testing.assert_allclose(out[-1][2][0], 1.0 - 0.5 * (1 + 1 + 2))   # W=2 steps, no 1/W
+    np.testing.assert_allclose(out[-1][2][1], np.arange(4.0) - 0.5 * 4)
+
+
+def test_shard_ssp_pull_waits_for_the_slowest_within_k():
+    sh, io = _shard(1)
+    for c in range(3):
+        _push(sh, io, 1, 10 + c, c, [0, 0], [0, 0, 0, 0])
+    io.take()
+    _pull(sh, 1, 20, 3)                        # clock 3, slowest at 0: needs slowest >= 2
+    assert io.take() == []
+    _push(sh, io, 2, 1, 0, [0, 0], [0, 0, 0, 0])
+    assert [f.seq for _, f, _ in io.take()] == [1]           # only worker 2's ack
+    _push(sh, io, 2, 2, 1, [0, 0], [0, 0, 0, 0])
+    assert sorted(f.seq for _, f, _ in io.take()) == [2, 20]  # ... and now the pull
+    assert sh.max_lead == 3
+
+
+def test_shard_async_dead_worker_releases_the_others_bsp_reports_it():
+    sh, io = _shard(1)
+    for c in range(3):
+        _push(sh, io, 1, 10 + c, c, [0, 0], [0, 0, 0, 0])
+    io.take()
+    _pull(sh, 1, 20, 3)
+    assert io.take() == []
+    sh.worker_failed(2)
+    assert [f.seq for _, f, _ in io.take()] == [20] and sh.status[2] == DEAD
+    sh, io = _shard(0)
+    _push(sh, io, 1, 1, 0, [1, 1], [1, 1, 1, 1])
+    sh.worker_failed(2)
+    (w, f, _), = io.take()
+    assert (w, f.opcode, f.flags, f.clock) == (1, wire.ERROR, wire.PEER_FAILED, 2)
+    _pull(sh, 1, 2, 1)
+    assert io.take()[0][1].flags == wire.PEER_FAILED          # and every later request too
+    sh.submit(1, wire.encode(wire.CLOSE, 3))
+    sh.progress()
+    assert io.take()[0][1].opcode == wire.OK and sh.done
+
+
+def test_shard_refuses_malformed_and_meaningless_requests_and_keeps_serving():
+    sh, io = _shard(None)
+    bad = [np.frombuffer(b"garbage!" * 5, np.uint8),
+           wire.encode(wire.PULL, 5, pieces=[wire.PieceRef("nope", 0, 2, F8)]),
+           wire.encode(wire.PULL, 6, pieces=[wire.PieceRef("w", 3, 4, F8)]),
+           wire.encode(wire.PULL, 7, pieces=[wire.PieceRef("w", 0, 5, F8)]),
+           wire.encode(wire.PUSH, 8, clock=4, pieces=[]),
+           wire.encode(wire.INIT, 9, keys=KEYS)]
+    for frame in bad:
+        sh.submit(1, frame)
+        sh.progress()
+    out = io.take()
+    assert [f.opcode for _, f, _ in out] == [wire.ERROR] * len(bad)
+    assert [f.flags for _, f, _ in out] == [wire.PROTOCOL] * 5 + [wire.STATE]
+    assert "unknown key 'nope'" in out[1][1].message and "clock 4" in out[4][1].message
+    sh.submit(0, wire.encode(wire.CLOSE, 1))                 # rank 0 is not a worker
+    sh.progress()
+    assert "not a worker" in io.take()[0][1].message
+    _pull(sh, 1, 10, 0)
+    (_, f, arrays), = io.take()
+    assert f.opcode == wire.OK
+    np.testing.assert_array_equal(arrays[1], np.arange(4.0))
+
+
+def test_shard_init_mismatch_is_reported_to_everyone():
+    io = FakeIO()
+    sh = Shard(0, 1, [1, 2], 0, ps.SGD(0.1), 1 << 20, io)
+    io.give(1, 1, [np.zeros(2), np.zeros(4)])
+    sh.submit(1, wire.encode(wire.INIT, 1, keys=KEYS, flags=wire.HAS_VALUES))
+    sh.submit(2, wire.encode(wire.INIT, 1, keys=KEYS[:1]))
+    sh.progress()
+    out = io.take()
+    assert sorted(w for w, _, _ in out) == [1, 2]
+    assert all(f.flags == wire.MISMATCH for _, f, _ in out)
+
+
+def test_shard_snapshot_restores_params_state_and_clocks():
+    sh, io = _shard(0, opt=ps.Adam(0.1))
+    for c in range(3):
+        _push(sh, io, 1, 10 + c, c, [1, 2], [1, 2, 3, 4])
+        _push(sh, io, 2, 10 + c, c, [0, 1], [4, 3, 2, 1])
+    meta, arrays = sh.snapshot()
+    meta["updates"] = sh.updates
+    again = Shard(0, 1, [1, 2], 0, ps.Adam(0.1), 1 << 20, FakeIO())
+    again.restore(meta, {k: v.copy() for k, v in arrays.items()})
+    assert again.clocks == sh.clocks and again.applied == 3 and again.resumed
+    for key in sh.params:
+        np.testing.assert_array_equal(again.params[key], sh.params[key])
+        np.testing.assert_array_equal(again.opt_state[key]["v"], sh.opt_state[key]["v"])
+    other = Shard(0, 1, [1, 2], 0, ps.SGD(0.1), 1 << 20, FakeIO())
+    with pytest.raises(ps.CheckpointError, match="optimizer"):
+        other.restore(meta, arrays)
