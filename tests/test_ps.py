@@ -392,3 +392,345 @@ def test_shard_snapshot_restores_params_state_and_clocks():
     other = Shard(0, 1, [1, 2], 0, ps.SGD(0.1), 1 << 20, FakeIO())
     with pytest.raises(ps.CheckpointError, match="optimizer"):
         other.restore(meta, arrays)
+
+
+# ============================================================================ whole jobs
+# A linear model with a hand-written gradient; each worker has its own batch per step, all
+# batches the same size, so the mean of the workers' gradients is the large-batch gradient.
+D_IN, D_OUT, BATCH = 12, 5, 16
+
+
+def _batch(worker, step):
+    rng = np.random.default_rng(1000 * step + worker)
+    x = rng.standard_normal((BATCH, D_IN))
+    y = x @ np.linspace(-1, 1, D_IN * D_OUT).reshape(D_IN, D_OUT) + 0.3
+    return x, y
+
+
+def _grads(p, x, y):
+    r = x @ p["w"] + p["b"] - y
+    return {"w": x.T @ r / len(x), "b": r.mean(axis=0)}
+
+
+def _initial():
+    rng = np.random.default_rng(7)
+    return {"w": rng.standard_normal((D_IN, D_OUT)) * 0.1, "b": np.zeros(D_OUT)}
+
+
+def reference_sync(workers, steps, lr=0.1, momentum=0.0):
+    """Single-process large-batch SGD (the batches of all workers at once)."""
+    p, v = _initial(), {"w": 0.0, "b": 0.0}
+    for step in range(steps):
+        xs, ys = zip(*(_batch(w, step) for w in range(workers)))
+        g = _grads(p, np.concatenate(xs), np.concatenate(ys))
+        for k in p:
+            v[k] = momentum * v[k] + g[k]
+            p[k] = p[k] - lr * v[k]
+    return p
+
+
+RECORDS = {}        # server rank -> [(updates, lead, {worker: clock}, {piece: params})]
+
+
+def _record(shard):
+    RECORDS.setdefault(shard.server, []).append(
+        (shard.updates, shard.lead(), dict(shard.clocks),
+         {k: v.copy() for k, v in shard.params.items()}))
+
+
+def _install_hooks(comm, record, die_at):
+    """Set the server hook (in thread worlds all ranks share it, hence the server check)."""
+    if not record and die_at is None:
+        return
+
+    def after_update(shard):
+        if record:
+            _record(shard)
+        if die_at is not None and shard.server == die_at[0] and shard.updates == die_at[1]:
+            if die_at[2] == "exit":
+                os._exit(3)                     # the server process dies mid-run
+            raise RuntimeError(f"server {shard.server} killed at update {die_at[1]}")
+    ps.server.TEST_HOOKS["after_update"] = after_update
+
+
+def train_job(comm, num_servers, steps, staleness=0, chunk=256, optimizer=None, slow=None,
+              ckpt=None, every=0, resume=False, pull_then_push=False, record=False,
+              die_at=None):
+    """Every rank runs this. Workers train until clock ``steps`` from wherever the servers stand
+    (after a resume: the checkpoint's clock) and return (params, clocks seen, starting clock);
+    servers return their update records (if ``record``)."""
+    _install_hooks(comm, record, die_at)
+    kv = ps.start(comm, num_servers=num_servers, staleness=staleness,
+                  optimizer=optimizer or ps.SGD(0.1), chunk_bytes=chunk, checkpoint_dir=ckpt,
+                  checkpoint_every=every, resume=resume)
+    if kv is None:
+        return RECORDS.get(comm.rank, [])
+    me = comm.rank - num_servers
+    init = _initial()
+    if me:                                   # only the lowest-ranked worker's values count
+        init = {k: v + 100.0 for k, v in init.items()}
+    kv.init(init)
+    first = kv.clock
+    p = kv.pull(["w", "b"])
+    clocks = []
+    for step in range(first, steps):
+        if slow is not None:
+            import time
+            time.sleep(slow[1] if me == slow[0] else slow[1] / 10)
+        g = _grads(p, *_batch(me, step))
+        if pull_then_push:
+            ts = kv.push(g, wait=False)
+            kv.wait(ts)
+            p = kv.pull(["w", "b"])
+        else:
+            p = kv.pushpull(g)
+        clocks.append(kv.clock)
+    kv.close()
+    return p, clocks, first
+
+
+def _run(fn, size, runner, timeout=60.0):
+    """Results by rank on the fake p2p world (threads) or through mc.spawn."""
+    RECORDS.clear()
+    ps.server.TEST_HOOKS.clear()
+    if runner == "fake":
+        from ps_fakecomm import run_threads
+        results, errors = run_threads(fn, size, timeout=timeout)
+        if errors:
+            r, (_, e, tb) = min(errors.items(), key=lambda kv: kv[1][0])
+            raise AssertionError(f"rank {r} failed:\n{tb}")
+        return results
+    import minicomm as mc
+    return mc.spawn(fn, size, transport=runner, timeout=timeout)
+
+
+RUNNERS = ["fake", "inproc"]
+
+
+def _run_failing(fn, size, runner, timeout=60.0):
+    """Like _run for a job in which ranks fail: the failed ranks, root cause first."""
+    RECORDS.clear()
+    ps.server.TEST_HOOKS.clear()
+    if runner == "fake":
+        from ps_fakecomm import run_threads
+        _, errors = run_threads(fn, size, timeout=timeout)
+        return sorted(errors, key=lambda r: errors[r][0])
+    import minicomm as mc
+    with pytest.raises(mc.SpawnError) as info:
+        mc.spawn(fn, size, transport=runner, timeout=timeout)
+    return [r for r, _ in info.value.failures]
+
+
+def _close_to(a, b, rtol=1e-6):
+    for k in b:
+        np.testing.assert_allclose(a[k], b[k], rtol=rtol, atol=1e-12)
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("servers,workers,pull_then_push", [(2, 2, False), (1, 3, True),
+                                                              (3, 2, False)])
+def test_sync_ps_equals_large_batch_sgd(runner, servers, workers, pull_then_push):
+    out = _run(lambda c: train_job(c, servers, 20, pull_then_push=pull_then_push),
+               servers + workers, runner)
+    ref = reference_sync(workers, 20)
+    for p, clocks, first in out[servers:]:
+        assert first == 0 and clocks == list(range(1, 21))
+        _close_to(p, ref)
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_sync_ps_momentum_is_large_batch_momentum(runner):
+    out = _run(lambda c: train_job(c, 2, 12, optimizer=ps.SGD(0.1, momentum=0.9)), 4, runner)
+    ref = reference_sync(2, 12, momentum=0.9)
+    for p, _, _ in out[2:]:
+        _close_to(p, ref)
+
+
+def const_job(comm, staleness, pushes):
+    """Workers push a constant gradient (worker i: i+1 everywhere) ``pushes`` times."""
+    _install_hooks(comm, True, None)
+    kv = ps.start(comm, num_servers=1, staleness=staleness, optimizer=ps.SGD(0.5),
+                  chunk_bytes=64)
+    if kv is None:
+        return RECORDS.get(comm.rank, [])
+    kv.init({"w": np.zeros(20), "b": np.zeros(3)})
+    me = comm.rank - 1
+    for _ in range(pushes):
+        kv.push({"w": np.full(20, me + 1.0), "b": np.full(3, me + 1.0)})
+    kv.close()
+    return None
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_async_applies_one_step_per_push_and_sync_one_per_clock(runner):
+    workers, pushes, lr = 3, 4, 0.5
+    total = sum(range(1, workers + 1))                       # gradients 1 + 2 + 3 per clock
+    for staleness, updates, final in ((None, workers * pushes, -lr * total * pushes),
+                                      (0, pushes, -lr * total / workers * pushes)):
+        rec = _run(lambda c: const_job(c, staleness, pushes), workers + 1, runner)[0]
+        assert [u for u, _, _, _ in rec] == list(range(1, updates + 1))
+        assert rec[-1][2] == {w: pushes for w in range(1, workers + 1)}
+        for value in rec[-1][3].values():
+            np.testing.assert_allclose(value, final, rtol=1e-12)
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("k", [1, 2])
+def test_ssp_no_worker_runs_more_than_k_plus_1_ahead_of_the_slowest(runner, k):
+    # worker 0 sleeps 10x longer per step than the other two; every update is recorded
+    out = _run(lambda c: train_job(c, 2, 24, staleness=k, slow=(0, 0.02), record=True), 5,
+               runner)
+    for server in (0, 1):
+        rec = out[server]
+        assert len(rec) == 3 * 24
+        leads = [max(cl.values()) - min(cl.values()) for _, _, cl, _ in rec]
+        assert max(leads) <= k + 1
+        assert max(leads) >= 1                 # the fast workers did run ahead
+    for p, clocks, _ in out[2:]:
+        assert clocks == list(range(1, 25))
+    # without the bound the fast workers race far ahead of the slow one
+    out = _run(lambda c: train_job(c, 1, 24, staleness=None, slow=(0, 0.02), record=True), 4,
+               runner)
+    assert max(lead for _, lead, _, _ in out[0]) > 3
+
+
+def malformed_job(comm):
+    kv = ps.start(comm, num_servers=1, staleness=0, optimizer=ps.SGD(0.1))
+    if kv is None:
+        return None
+    kv.init({"w": np.zeros(4)})
+    c = kv._comm
+
+    def ask(frame, seq, data=()):
+        c.send(frame, 0, tag=wire.REQUEST_TAG)
+        for d in data:
+            c.send(d, 0, tag=wire.tag(wire.PUSH_DATA, seq))
+        r = wire.decode(c.recv(0, tag=wire.tag(wire.RESPONSE, seq)), expect_response=True)
+        return r.opcode, r.flags, r.message
+
+    w4 = [wire.PieceRef("w", 0, 4, F8)]
+    answers = [
+        ask(np.frombuffer(b"\0" * 40, np.uint8), 0),                   # bad magic
+        ask(np.zeros(8, np.float64), 0),                               # not a byte frame
+        ask(wire.encode(wire.PULL, 900, pieces=[wire.PieceRef("w", 5, 4, F8)]), 900),
+        ask(wire.encode(wire.PUSH, 901, pieces=w4), 901, [np.ones(7)]),          # 7 != 4
+        ask(wire.encode(wire.PUSH, 902, pieces=w4), 902, [np.ones(4, np.float32)]),
+        ask(wire.encode(wire.INIT, 903, keys=[KeySpec("w", F8, (4,))]), 903),    # again
+    ]
+    kv._clocks[0] += 3                 # a clock the server does not have: refused by name
+    try:
+        kv.pull(["w"])
+        refused = None
+    except ps.ProtocolError as e:
+        refused = str(e)
+    kv._clocks[0] -= 3
+    p = kv.pushpull({"w": np.ones(4)})["w"]    # none of the refused pushes was applied
+    kv.close()
+    return answers, refused, p
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_malformed_requests_are_refused_by_name_and_the_server_keeps_serving(runner):
+    answers, refused, p = _run(malformed_job, 2, runner)[1]
+    assert [a[0] for a in answers] == [wire.ERROR] * 6
+    assert [a[1] for a in answers] == [wire.PROTOCOL] * 5 + [wire.STATE]
+    for (_, _, msg), what in zip(answers, ["bad magic", "uint8", "no piece 5", "does not fit",
+                                           "does not fit", "already"]):
+        assert what in msg
+    assert refused is not None and "clock 3" in refused
+    np.testing.assert_allclose(p, -0.1 * np.ones(4))
+
+
+def death_job(comm, staleness, out_dir):
+    import json
+    import minicomm as mc
+    kv = ps.start(comm, num_servers=1, staleness=staleness, optimizer=ps.SGD(0.1))
+    if kv is None:
+        return None
+    kv.init({"w": np.zeros(8)})
+    try:
+        for step in range(10):
+            if comm.rank == 2 and step == 3:
+                raise RuntimeError("worker rank 2 dies")
+            kv.push({"w": np.ones(8)})
+        result = {"clock": kv.clock, "w": kv.pull(["w"])["w"].tolist()}
+    except mc.PeerFailure as e:
+        result = {"peer_failure": getattr(e, "peer", None), "message": str(e)}
+    with open(os.path.join(out_dir, f"rank{comm.rank}.json"), "w") as f:
+        json.dump(result, f)
+    kv.close()
+    return None
+
+
+def _outcomes(d, ranks):
+    import json
+    return {r: json.load(open(os.path.join(d, f"rank{r}.json"))) for r in ranks}
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_async_job_survives_a_dead_worker(runner, tmp_path):
+    failed = _run_failing(lambda c: death_job(c, None, str(tmp_path)), 4, runner)
+    assert failed == [2]                     # only the dying worker; server and others finished
+    out = _outcomes(tmp_path, [1, 3])
+    assert [o["clock"] for o in out.values()] == [10, 10]
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_sync_job_reports_a_dead_worker_as_peer_failure(runner, tmp_path):
+    failed = _run_failing(lambda c: death_job(c, 0, str(tmp_path)), 4, runner)
+    assert failed[0] == 2 and set(failed) <= {0, 2}    # root cause first; the server may follow
+    out = _outcomes(tmp_path, [1, 3])
+    for o in out.values():
+        assert o["peer_failure"] == 2 and "worker rank 2 failed" in o["message"]
+
+
+def _kill_and_resume(runner, tmp_path, how):
+    ckpt = str(tmp_path / "ckpt")
+    failed = _run_failing(lambda c: train_job(c, 2, 12, ckpt=ckpt, every=5,
+                                              die_at=(0, 7, how)), 4, runner)
+    assert failed and failed[0] == 0                        # the killed server is the cause
+    assert stat.S_IMODE(os.stat(ckpt).st_mode) == 0o700
+    files = sorted(os.listdir(ckpt))
+    assert files and all(stat.S_IMODE(os.stat(os.path.join(ckpt, f)).st_mode) == 0o600
+                         for f in files)
+    assert "shard-000-u000000000005.npz" in files
+    out = _run(lambda c: train_job(c, 2, 12, ckpt=ckpt, every=5, resume=True), 4, runner)
+    ref = reference_sync(2, 12)
+    for p, clocks, first in out[2:]:
+        assert first == 5 and clocks == list(range(6, 13))
+        _close_to(p, ref)
+    uninterrupted = _run(lambda c: train_job(c, 2, 12), 4, runner)
+    for (p, _, _), (q, _, _) in zip(out[2:], uninterrupted[2:]):
+        _close_to(p, q)
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_killed_server_resumes_from_checkpoint_threads(runner, tmp_path):
+    _kill_and_resume(runner, tmp_path, "raise")
+
+
+def test_start_validates_its_arguments_and_reads_the_launcher_env(monkeypatch):
+    class Comm:
+        size, rank = 4, 0
+    monkeypatch.delenv(ps.ENV_NUM_SERVERS, raising=False)
+    with pytest.raises(ValueError, match="MINICOMM_NUM_SERVERS"):
+        ps.start(Comm())
+    for kwargs in ({"num_servers": 4}, {"num_servers": 0}, {"num_servers": 1, "staleness": -1},
+                   {"num_servers": 1, "checkpoint_every": 5},
+                   {"num_servers": 1, "chunk_bytes": 2}):
+        with pytest.raises(ValueError):
+            ps.start(Comm(), **kwargs)
+    with pytest.raises(TypeError):
+        ps.start(Comm(), num_servers=1, optimizer="sgd")
+    monkeypatch.setenv(ps.ENV_NUM_SERVERS, "4")
+    with pytest.raises(ValueError, match="num_servers=4"):
+        ps.start(Comm())                       # the env var was read (and 4 of 4 is too many)
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_resume_with_another_configuration_is_refused(runner, tmp_path):
+    ckpt = str(tmp_path)
+    _run(lambda c: train_job(c, 1, 5, ckpt=ckpt, every=5), 3, runner)
+    failed = _run_failing(lambda c: train_job(c, 1, 5, ckpt=ckpt, resume=True,
+                                              optimizer=ps.Adam(0.1)), 3, runner)
+    assert failed[0] == 0                      # the server raises CheckpointError

@@ -180,7 +180,8 @@ class Worker:
         for s in range(self.num_servers):
             frame = wire.encode(wire.INIT, req.seq, flags=wire.HAS_VALUES if lowest else 0,
                                 keys=table)
-            payload = [flat[p.name][p.offset:p.offset + p.count] for p in plan.on_server(s)]
+            payload = [flat[p.name][p.offset:p.offset + p.count]
+                       for p in plan.on_server(s)] if lowest else []
             self._post(req, s, frame, payload)
         frames = self._complete(req, expect_pieces=False)
         self.plan = plan
