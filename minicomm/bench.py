@@ -768,7 +768,10 @@ def run_in_launched_job(cfg: BenchConfig, tune_path=_NO_TUNE):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("collective", nargs="?", default="allreduce",
-                   help=f"one of {', '.join(COLLECTIVES)}; a comma list; or 'all'")
+                   help=f"one of {', '.join(COLLECTIVES)}; a comma list; 'all'; or 'pushpull' "
+                        f"(parameter server vs allreduce vs p2p, see minicomm.pushpull_bench)")
+    p.add_argument("--servers", type=int, default=2,
+                   help="pushpull: parameter servers (workers: -n minus this, default 2)")
     p.add_argument("-b", "--minbytes", default="8", help="smallest size (e.g. 8, 1K, 4M)")
     p.add_argument("-e", "--maxbytes", default="1M", help="largest size")
     p.add_argument("-f", "--stepfactor", type=float, default=4.0, help="size multiplier")
@@ -825,6 +828,9 @@ def config_from_args(a) -> BenchConfig:
 
 
 def main_from_cli(a) -> int:
+    if a.collective == "pushpull":
+        from .pushpull_bench import main_from_cli as pushpull_main
+        return pushpull_main(a)
     launched = os.environ.get("MINICOMM_RANK") not in (None, "")
     try:
         cfg = config_from_args(a)
