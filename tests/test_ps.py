@@ -546,8 +546,9 @@ def test_sync_ps_momentum_is_large_batch_momentum(runner):
         _close_to(p, ref)
 
 
-def const_job(comm, staleness, pushes):
-    """Workers push a constant gradient (worker i: i+1 everywhere) ``pushes`` times."""
+def const_job(comm, staleness, pushes, pipelined):
+    """Workers push a constant gradient (worker i: i+1 everywhere) ``pushes`` times; pipelined:
+    all pushes in flight at once (wait=False), waited for at the end."""
     _install_hooks(comm, True, None)
     kv = ps.start(comm, num_servers=1, staleness=staleness, optimizer=ps.SGD(0.5),
                   chunk_bytes=64)
@@ -555,19 +556,23 @@ def const_job(comm, staleness, pushes):
         return RECORDS.get(comm.rank, [])
     kv.init({"w": np.zeros(20), "b": np.zeros(3)})
     me = comm.rank - 1
-    for _ in range(pushes):
-        kv.push({"w": np.full(20, me + 1.0), "b": np.full(3, me + 1.0)})
+    g = {"w": np.full(20, me + 1.0), "b": np.full(3, me + 1.0)}
+    stamps = [kv.push(g, wait=not pipelined) for _ in range(pushes)]
+    if pipelined:
+        for ts in stamps:
+            kv.wait(ts)
     kv.close()
     return None
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
-def test_async_applies_one_step_per_push_and_sync_one_per_clock(runner):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_async_applies_one_step_per_push_and_sync_one_per_clock(runner, pipelined):
     workers, pushes, lr = 3, 4, 0.5
     total = sum(range(1, workers + 1))                       # gradients 1 + 2 + 3 per clock
     for staleness, updates, final in ((None, workers * pushes, -lr * total * pushes),
                                       (0, pushes, -lr * total / workers * pushes)):
-        rec = _run(lambda c: const_job(c, staleness, pushes), workers + 1, runner)[0]
+        rec = _run(lambda c: const_job(c, staleness, pushes, pipelined), workers + 1, runner)[0]
         assert [u for u, _, _, _ in rec] == list(range(1, updates + 1))
         assert rec[-1][2] == {w: pushes for w in range(1, workers + 1)}
         for value in rec[-1][3].values():

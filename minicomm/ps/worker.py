@@ -30,10 +30,11 @@ from .sharding import KeySpec, Piece, Plan, key_table
 
 class _Outstanding:
     """What one request is waiting for: per server, the response frame and the data."""
-    __slots__ = ("what", "seq", "parts", "sends", "result", "pull")
+    __slots__ = ("what", "seq", "parts", "sends", "result", "pull", "refused")
 
     def __init__(self, what: str, seq: int, pull: bool):
         self.what, self.seq, self.pull = what, seq, pull
+        self.refused: List[int] = []          # servers that answered with an error frame
         self.parts: List[Tuple[int, object, List[object], List[Piece]]] = []
         self.sends: List[Tuple[int, object]] = []
         self.result: Optional[Dict[str, np.ndarray]] = None
@@ -119,6 +120,7 @@ class Worker:
                     raise wire.ProtocolError(f"server {server} answered request {frame.seq} "
                                              f"for {req.seq}")
                 if frame.opcode == wire.ERROR:
+                    req.refused.append(server)
                     raise _error_of(frame, server, req.what)
                 if expect_pieces:
                     got = [(r.name, r.piece, r.count) for r in frame.pieces]
@@ -246,7 +248,11 @@ class Worker:
         req = self._outstanding.pop(ts, None)
         if req is None:
             raise ValueError(f"ps.Worker.wait: no outstanding push with timestamp {ts!r}")
-        self._complete(req, expect_pieces=req.pull)
+        try:
+            self._complete(req, expect_pieces=req.pull)
+        finally:
+            for s in req.refused:             # that server did not count this push
+                self._clocks[s] -= 1
         return req.result
 
     def close(self) -> None:
