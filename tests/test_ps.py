@@ -739,3 +739,34 @@ def test_resume_with_another_configuration_is_refused(runner, tmp_path):
     failed = _run_failing(lambda c: train_job(c, 1, 5, ckpt=ckpt, resume=True,
                                               optimizer=ps.Adam(0.1)), 3, runner)
     assert failed[0] == 0                      # the server raises CheckpointError
+
+
+PS_SCRIPT = """
+import numpy as np, minicomm as mc
+from minicomm import ps
+comm = mc.init()
+kv = ps.start(comm, staleness=0, optimizer=ps.SGD(0.5))      # roles from --servers
+if kv is not None:
+    kv.init({"w": np.zeros(6)})
+    for _ in range(3):
+        p = kv.pushpull({"w": np.full(6, float(comm.rank))})
+    print("worker", comm.rank, "clock", kv.clock, "w", p["w"][0])
+    kv.close()
+else:
+    print("server", comm.rank, "done")
+comm.close()
+"""
+
+
+def test_minicomm_run_servers_sets_the_roles(tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / "ps_job.py"
+    script.write_text(PS_SCRIPT)
+    r = subprocess.run([sys.executable, "-m", "minicomm.cli", "run", "-n", "4", "--servers", "2",
+                        str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = sorted(r.stdout.splitlines())
+    # workers 2 and 3 push 2 and 3: each clock moves w by -0.5 * 2.5, three clocks
+    assert lines == ["[0] server 0 done", "[1] server 1 done",
+                     "[2] worker 2 clock 3 w -3.75", "[3] worker 3 clock 3 w -3.75"]
