@@ -770,3 +770,8 @@ def test_minicomm_run_servers_sets_the_roles(tmp_path):
     # workers 2 and 3 push 2 and 3: each clock moves w by -0.5 * 2.5, three clocks
     assert lines == ["[0] server 0 done", "[1] server 1 done",
                      "[2] worker 2 clock 3 w -3.75", "[3] worker 3 clock 3 w -3.75"]
+
+
+def test_killed_server_process_resumes_from_checkpoint(tmp_path):
+    # real processes over shm: server 0 calls os._exit at its 7th update (checkpoints every 5)
+    _kill_and_resume("shm", tmp_path, "exit")
