@@ -7,6 +7,7 @@ from .communicator import Communicator, Work
 from .errors import (CommError, CommTimeout, MismatchError, PeerFailure, RMAError, SpawnError)
 from .launch import init, spawn
 from .ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM
+from .p2p import ANY_SOURCE, ANY_TAG, Status
 
 __version__ = "0.1.0"
 __all__ = ["spawn", "init", "Communicator", "Work", "CommError", "CommTimeout", "MismatchError",
