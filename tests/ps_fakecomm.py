@@ -27,9 +27,14 @@ class Fabric:
         self.dead = set()
         self.reported = [set() for _ in range(size)]
 
-    def kill(self, rank):
+    def kill(self, rank, clean=False):
+        """``rank`` is gone; a clean exit (its function returned) is, as on the real transports,
+        no failure for ANY_SOURCE receivers: only receives naming it fail."""
         with self.cond:
             self.dead.add(rank)
+            if clean:
+                for seen in self.reported:
+                    seen.add(rank)
             self.cond.notify_all()
 
 
@@ -103,6 +108,10 @@ class FakeComm:
                         e = PeerFailure(f"rank {fresh[0]} is dead")
                         e.peer = fresh[0]
                         raise e
+                    if f.dead >= set(range(f.size)) - {self.rank}:
+                        e = PeerFailure("every other rank failed")
+                        e.peer = min(f.dead - {self.rank})
+                        raise e
                 left = end - time.monotonic()
                 if left <= 0:
                     raise CommTimeout(f"recv from {src} tag {tag} timed out")
@@ -124,7 +133,7 @@ def run_threads(fn, size, timeout=30.0):
         except BaseException as e:
             errors[r] = (time.monotonic(), e, traceback.format_exc())
         finally:
-            fabric.kill(r)
+            fabric.kill(r, clean=r not in errors)
 
     threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(size)]
     for t in threads:

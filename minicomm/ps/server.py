@@ -25,20 +25,12 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import CommError, CommTimeout, PeerFailure
+from ..p2p import ANY_SOURCE, Status
 from . import checkpoint, wire
-from .shard import Refuse, Shard, clone_optimizer
+from .shard import INITED, NEW, Refuse, Shard, clone_optimizer
 
 TEST_HOOKS: Dict[str, object] = {}
 _REAP_EVERY = 256
-
-
-try:                                  # issue 9's p2p names (mc.ANY_SOURCE, mc.Status)
-    from .. import ANY_SOURCE, Status
-except ImportError:                   # TODO(issue 9): drop once main's p2p API is merged
-    ANY_SOURCE = -1
-
-    class Status:                     # type: ignore[no-redef]
-        source = tag = nbytes = dtype = shape = None
 
 
 class CommIO:
@@ -162,6 +154,7 @@ class Server:
     def run(self) -> None:
         shard, comm = self.shard, self.comm
         status = Status()
+        stale_failure = False
         while not shard.done:
             try:
                 message = comm.recv(ANY_SOURCE, tag=wire.REQUEST_TAG, status=status,
@@ -170,9 +163,18 @@ class Server:
                 continue              # workers computing; each waits under its own timeout
             except PeerFailure as e:
                 peer = getattr(e, "peer", None)
-                if peer in shard.status:
+                if peer in shard.status and shard.status[peer] in (INITED, NEW):
                     shard.worker_failed(peer)
-                continue              # a server's death reaches the workers through their waits
+                    continue
+                # No live worker to blame: the whole communicator failed (peer None), or the
+                # transport repeats a failure we already know (everyone else is gone). Once
+                # may be another server's death, which reaches the workers through their own
+                # waits; twice in a row means nothing more can arrive.
+                if peer is None or stale_failure:
+                    raise
+                stale_failure = True
+                continue
+            stale_failure = False
             shard.submit(status.source, message)
             shard.progress()
         self.io.settle()              # the last answers (to the closes) are out
