@@ -221,12 +221,23 @@ class FakeIO:
     def give(self, w, seq, arrays):
         self.payloads[(w, seq)] = [np.asarray(a, F8) for a in arrays]
 
-    def recv_payload(self, w, seq, index, buf):
-        a = self.payloads[(w, seq)][index]
-        if a.size != buf.size:
+    def post_payload(self, w, seq, bufs):
+        ok = True
+        for index, buf in enumerate(bufs):
+            a = self.payloads[(w, seq)][index]
+            if a.size != buf.size:
+                ok = False
+                break
+            self.reads.append((w, seq, index))
+            buf[...] = a
+        return ok
+
+    def payload_done(self, ok):
+        return True
+
+    def finish_payload(self, ok):
+        if not ok:
             raise ps.shard.Refuse(wire.PROTOCOL, "size")
-        self.reads.append((w, seq, index))
-        buf[...] = a
 
     def respond(self, w, seq, frame, arrays=()):
         self.responses.append((w, wire.decode(frame, expect_response=True),

@@ -1,11 +1,15 @@
 """The server loop: receive request frames from any worker, drive the shard, answer.
 
-One thread per server. It waits for a frame on ``REQUEST_TAG`` from ``ANY_SOURCE`` (the only
-receive a worker can trigger unasked), hands it to the ``Shard``, and the shard pulls the request's
-data messages from that worker straight into its own buffers (``recv(out=...)``, validated before
-they are consumed) and answers with ``isend``s straight from the params, which it then leaves
-untouched until those sends complete (``settle`` before every update). Nothing is copied on the
-way in except the BSP staging add, nothing on the way out.
+One thread per server. A receive for the next frame (``REQUEST_TAG``, ``ANY_SOURCE``: the only
+receive a worker can trigger unasked) is always posted; each frame goes to the ``Shard``, which
+posts ``irecv(out=...)`` for the request's data straight into its own buffers (validated before
+anything is consumed) and answers with ``isend``s straight from the params, which it then leaves
+untouched until those sends complete (``settle`` before every update). The loop blocks on the
+oldest request whose data is in flight, else on the next frame; since a wait moves every posted
+message, all workers' gradients stream in at once. Nothing is copied on the way in except the
+BSP sum, nothing on the way out. Data moves only while its worker is inside a minicomm call
+(the transports have no background thread), so a worker that pushes with ``wait=False`` and then
+computes for long delays its own data, and, for that long, what this server does next.
 
 Checkpoints are taken after every ``checkpoint_every``-th update; with ``resume=True`` the
 servers of a synchronous job first agree (server 0 collects what each has) on the newest update
@@ -20,17 +24,27 @@ Cost: see ``shard``; per request one small frame each way plus one message per p
 from __future__ import annotations
 
 import sys
+import time
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..errors import CommError, CommTimeout, PeerFailure
-from ..p2p import ANY_SOURCE, Status
+from ..p2p import ANY_SOURCE
 from . import checkpoint, wire
 from .shard import INITED, NEW, Refuse, Shard, clone_optimizer
 
 TEST_HOOKS: Dict[str, object] = {}
 _REAP_EVERY = 256
+
+
+class Payload:
+    """The posted receives of one request's data messages (see ``CommIO.post_payload``)."""
+    __slots__ = ("worker", "seq", "works", "error", "deadline")
+
+    def __init__(self, worker: int, seq: int, works: list, deadline: float):
+        self.worker, self.seq, self.works, self.deadline = worker, seq, works, deadline
+        self.error: Optional[Tuple[int, BaseException]] = None
 
 
 class CommIO:
@@ -41,22 +55,56 @@ class CommIO:
         self.sends: List[Tuple[int, object]] = []
         self.dead: List[int] = []
 
-    def recv_payload(self, worker: int, seq: int, index: int, buf: np.ndarray) -> None:
+    # ---- request data: posted at once, completed later (several workers' data stream at once)
+    def post_payload(self, worker: int, seq: int, bufs: List[np.ndarray]) -> Payload:
         t = wire.tag(wire.PUSH_DATA, seq)
-        try:
-            self.comm.recv(worker, tag=t, out=buf, timeout=self.timeout)
-        except (ValueError, TypeError) as e:
-            # The message does not fit the piece (it stays queued): take it out of the way.
+        works = [self.comm.irecv(worker, tag=t, out=b) for b in bufs]
+        return Payload(worker, seq, works, time.monotonic() + self.timeout)
+
+    def _poll(self, h: Payload, timeout: float) -> bool:
+        """Advance ``h`` (waiting up to ``timeout`` on its first open receive); True = done."""
+        for i, work in enumerate(h.works):
+            if work is None:
+                continue
             try:
-                self.comm.recv(worker, tag=t, timeout=self.timeout)
+                work.wait(timeout)
+            except CommTimeout:
+                if time.monotonic() > h.deadline:
+                    h.error = (i, CommTimeout(f"did not arrive within {self.timeout} s"))
+                    return True
+                return False
+            except Exception as e:       # kept for finish_payload, which names it
+                h.error = (i, e)
+                return True
+            h.works[i] = None
+            timeout = 0
+        return True
+
+    def payload_done(self, h: Payload) -> bool:
+        return h.error is not None or self._poll(h, 0)
+
+    def wait_payload(self, h: Payload, timeout: float) -> None:
+        """Block until ``h`` is done or ``timeout`` passes (everything posted moves meanwhile)."""
+        if h.error is None:
+            self._poll(h, timeout)
+
+    def finish_payload(self, h: Payload) -> None:
+        if h.error is None:
+            return
+        i, e = h.error
+        if isinstance(e, PeerFailure):
+            raise e
+        what = f"data message {i} of request {h.seq}"
+        if isinstance(e, (ValueError, TypeError)):
+            # The message does not fit its piece, and stays queued: take it out of the way.
+            try:
+                self.comm.recv(h.worker, tag=wire.tag(wire.PUSH_DATA, h.seq), timeout=self.timeout)
             except CommError:
                 pass
-            raise Refuse(wire.PROTOCOL, f"data message {index} of request {seq} does not fit "
-                         f"its piece ({buf.size} x {buf.dtype}): {e}") from None
-        except CommTimeout:
-            raise Refuse(wire.PROTOCOL, f"data message {index} of request {seq} did not arrive "
-                         f"within {self.timeout} s") from None
+            raise Refuse(wire.PROTOCOL, f"{what} does not fit its piece: {e}") from None
+        raise Refuse(wire.PROTOCOL, f"{what}: {e}") from None
 
+    # ---- responses: sent straight from the params, which stay untouched until settle()
     def respond(self, worker: int, seq: int, frame: np.ndarray, arrays=()) -> None:
         if worker in self.dead:
             return
@@ -152,16 +200,23 @@ class Server:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
-        shard, comm = self.shard, self.comm
-        status = Status()
+        shard, comm, io = self.shard, self.comm, self.io
+        frames = comm.irecv(ANY_SOURCE, tag=wire.REQUEST_TAG)     # always posted: frames land
         stale_failure = False
         while not shard.done:
+            # Wait for the oldest request whose data is in flight, else for a frame; either
+            # wait moves every posted message (other workers' data, the next frames) meanwhile.
             try:
-                message = comm.recv(ANY_SOURCE, tag=wire.REQUEST_TAG, status=status,
-                                    timeout=self.timeout)
+                if shard.receiving:
+                    io.wait_payload(shard.receiving[0].receiving, self.timeout)
+                    message = frames.wait(0)
+                else:
+                    message = frames.wait(self.timeout)
             except CommTimeout:
-                continue              # workers computing; each waits under its own timeout
+                shard.progress()
+                continue                 # workers computing; each waits under its own timeout
             except PeerFailure as e:
+                frames = comm.irecv(ANY_SOURCE, tag=wire.REQUEST_TAG)
                 peer = getattr(e, "peer", None)
                 if peer in shard.status and shard.status[peer] in (INITED, NEW):
                     shard.worker_failed(peer)
@@ -175,7 +230,9 @@ class Server:
                 stale_failure = True
                 continue
             stale_failure = False
-            shard.submit(status.source, message)
+            source = frames.status.source
+            frames = comm.irecv(ANY_SOURCE, tag=wire.REQUEST_TAG)
+            shard.submit(source, message)
             shard.progress()
         self.io.settle()              # the last answers (to the closes) are out
         if shard.broken is not None and shard.broken[0] == wire.PEER_FAILED:

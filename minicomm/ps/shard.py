@@ -3,20 +3,25 @@
 ``Shard`` holds the pieces a server owns (params, optimizer state, receive buffers), a clock per
 worker (pushes received from it) and a FIFO of requests per worker. It does no I/O of its own: the
 server loop hands it decoded frames (``submit``) and deaths (``worker_failed``), and it talks back
-through an ``io`` object with three methods, so tests drive it with fake requests and no
-communicator:
+through an ``io`` object, so tests drive it with fake requests and no communicator:
 
-    io.recv_payload(worker, seq, index, buf)   # the index-th data message of request seq, into buf
+    h = io.post_payload(worker, seq, bufs)     # post receives of request seq's data into bufs
+    io.payload_done(h) -> bool                 # all arrived (or failed)? never blocks
+    io.finish_payload(h)                       # raise Refuse / PeerFailure if it failed
     io.respond(worker, seq, frame, arrays=())  # a response frame, then raw arrays (not copied:
                                                # the shard leaves them untouched until settle())
     io.settle() -> [dead ranks]                # wait for every response sent so far
 
+Receives are posted as soon as a request may proceed and completed later (``receiving`` lists
+them oldest first; the server loop waits on the oldest), so the gradients of several workers
+stream in at once. Each lands in a buffer of its own from a per-piece pool.
+
 Consistency (``staleness``), enforced per worker clock c_w = pushes received from w:
 
-  * ``0`` (BSP): a push at clock t is accumulated (the first worker's gradient lands straight in
-    the accumulator, the others' in a staging buffer that is then added); when every active worker
-    has pushed t, the sum divided by the number of contributors goes through the optimizer once,
-    and every push of clock t is answered. A push for t+1 waits in its worker's queue (its data
+  * ``0`` (BSP): a push at clock t is accumulated (the first worker's buffer simply becomes the
+    accumulator, no copy; the others' are added to it); when every active worker has pushed t,
+    the sum divided by the number of contributors goes through the optimizer once, and every push
+    of clock t is answered. A push for t+1 waits in its worker's queue (its data
     still unread) until t is applied. A pull at clock c waits until clock c-1 is applied.
   * ``None`` (async): each push is one optimizer step on that gradient, on arrival, no 1/W.
   * ``k`` (SSP): pushes as in async; a pull by a worker at clock c waits until the slowest active
@@ -30,7 +35,8 @@ waiting and later request is answered with a PEER_FAILED error naming it ("broke
 workers are answered even then.
 
 Cost per push of M bytes held here: M received, one add of M (BSP, from the second worker on),
-one optimizer pass; per pull M sent straight from the params (zero copy).
+one optimizer pass; per pull M sent straight from the params (zero copy). Memory: params,
+optimizer state, the accumulator and up to one receive buffer per worker in flight.
 """
 from __future__ import annotations
 
@@ -59,12 +65,14 @@ class Refuse(Exception):
 
 
 class _Request:
-    __slots__ = ("frame", "pieces", "pulling")
+    __slots__ = ("worker", "frame", "pieces", "pulling", "receiving", "bufs")
 
-    def __init__(self, frame: wire.Frame):
-        self.frame = frame
+    def __init__(self, worker: int, frame: wire.Frame):
+        self.worker, self.frame = worker, frame
         self.pieces: Optional[List[Piece]] = None     # validated against the plan, once
         self.pulling = frame.opcode == wire.PULL      # a pushpull turns into a pull
+        self.receiving = None                         # io handle of its data, while in flight
+        self.bufs: List[np.ndarray] = []
 
 
 class Shard:
@@ -93,7 +101,8 @@ class Shard:
         self.params: Dict[Tuple[str, int], np.ndarray] = {}
         self.opt_state: Dict[Tuple[str, int], Dict[str, np.ndarray]] = {}
         self.acc: Dict[Tuple[str, int], np.ndarray] = {}
-        self.staging: Dict[Tuple[str, int], np.ndarray] = {}
+        self.pool: Dict[Tuple[str, int], List[np.ndarray]] = {}     # free receive buffers
+        self.receiving: List[_Request] = []         # requests whose data is in flight, oldest first
         self.touched: set = set()
         self.contributors = 0
         self.waiting: List[Tuple[int, int, int, List[Piece]]] = []   # BSP pushes awaiting apply
@@ -132,7 +141,7 @@ class Shard:
         if self.status[worker] in (CLOSED, DEAD):
             self._refuse(worker, frame.seq, wire.STATE, f"worker {worker} has already closed")
             return
-        self.queues[worker].append(_Request(frame))
+        self.queues[worker].append(_Request(worker, frame))
 
     def worker_failed(self, worker: int) -> None:
         """The transport reported ``worker`` dead."""
@@ -177,7 +186,7 @@ class Shard:
         if self.broken is not None:
             raise Refuse(*self.broken)
         if f.opcode == wire.INIT:
-            return self._init(w, f)
+            return self._init(w, req)
         if not self.init_done:
             raise Refuse(wire.STATE, f"{f.name} before init completed")
         if req.pieces is None:
@@ -187,12 +196,14 @@ class Shard:
                              f"worker {w} at clock {self.clocks[w]}")
         if req.pulling:
             return self._pull(w, f.seq, req.pieces)
+        if self.sync and self.clocks[w] > self.applied:
+            return False                   # its clock t+1: wait until t is applied
+        if not self._received(req):
+            return False
         if self.sync:
-            if self.clocks[w] > self.applied:
-                return False               # its clock t+1: wait until t is applied
-            self._push_sync(w, f, req.pieces)
+            self._push_sync(w, f, req)
             return True
-        self._push_async(w, f, req.pieces)
+        self._push_async(w, f, req)
         if f.opcode == wire.PUSH:
             self.io.respond(w, f.seq, wire.encode(wire.OK, f.seq, clock=self.clocks[w]))
             return True
@@ -234,23 +245,51 @@ class Shard:
         self.io.respond(w, seq, wire.encode(wire.OK, seq, clock=self.clocks[w], pieces=refs),
                         [self.params[(p.name, p.index)] for p in pieces])
 
-    def _push_sync(self, w: int, f: wire.Frame, pieces: List[Piece]) -> None:
-        first = [p for p in pieces if (p.name, p.index) not in self.touched]
-        later = [p for p in pieces if (p.name, p.index) in self.touched]
-        # Receive everything before changing anything: a push that fails half way leaves the
-        # aggregate as it was (a piece whose first gradient failed stays untouched; its
-        # accumulator is overwritten by the next contributor).
-        for i, p in enumerate(pieces):
+    def _received(self, req: _Request, into: Optional[List[np.ndarray]] = None) -> bool:
+        """Post the receives of ``req``'s data (once), then: has all of it arrived? Raises
+        Refuse / PeerFailure if it failed; its buffers are then dropped, not reused (a receive
+        of theirs may still be posted)."""
+        if req.receiving is None:
+            if into is None:
+                into = [self._buffer((p.name, p.index)) for p in req.pieces]
+            req.bufs = into
+            req.receiving = self.io.post_payload(req.worker, req.frame.seq, into)
+            self.receiving.append(req)
+        if not self.io.payload_done(req.receiving):
+            return False
+        self.receiving.remove(req)
+        handle, req.receiving = req.receiving, None
+        try:
+            self.io.finish_payload(handle)
+        except BaseException:
+            req.bufs = []
+            raise
+        return True
+
+    def _buffer(self, key: Tuple[str, int]) -> np.ndarray:
+        free = self.pool[key]
+        if free:
+            return free.pop()
+        p = self.held[key]
+        return np.empty(p.count, p.dtype)
+
+    def _push_sync(self, w: int, f: wire.Frame, req: _Request) -> None:
+        # Everything arrived before anything changes: a push that failed half way changed nothing.
+        for p, buf in zip(req.pieces, req.bufs):
             key = (p.name, p.index)
-            buf = self.acc[key] if key not in self.touched else self.staging[key]
-            self.io.recv_payload(w, f.seq, i, buf)
-        for p in later:
-            key = (p.name, p.index)
-            self.acc[key] += self.staging[key]
-        self.touched.update((p.name, p.index) for p in first)
+            if key in self.touched:
+                self.acc[key] += buf
+                self.pool[key].append(buf)
+            else:                          # the first gradient of this clock: it is the sum
+                old = self.acc.get(key)
+                self.acc[key] = buf
+                self.touched.add(key)
+                if old is not None:
+                    self.pool[key].append(old)
+        req.bufs = []
         self.clocks[w] += 1
         self.contributors += 1
-        self.waiting.append((w, f.seq, f.opcode, pieces))
+        self.waiting.append((w, f.seq, f.opcode, req.pieces))
         self.max_lead = max(self.max_lead, self.lead())
         self._maybe_apply()
 
@@ -277,13 +316,13 @@ class Shard:
             else:
                 self._send_values(w, seq, pieces)
 
-    def _push_async(self, w: int, f: wire.Frame, pieces: List[Piece]) -> None:
-        for i, p in enumerate(pieces):
-            self.io.recv_payload(w, f.seq, i, self.staging[(p.name, p.index)])
+    def _push_async(self, w: int, f: wire.Frame, req: _Request) -> None:
         self._deaths.extend(self.io.settle())
-        for p in pieces:
+        for p, buf in zip(req.pieces, req.bufs):
             key = (p.name, p.index)
-            self.optimizer.step(self.params[key], self.staging[key], self.opt_state[key], 1.0)
+            self.optimizer.step(self.params[key], buf, self.opt_state[key], 1.0)
+            self.pool[key].append(buf)
+        req.bufs = []
         self.clocks[w] += 1
         self.updates += 1
         self.max_lead = max(self.max_lead, self.lead())
@@ -294,7 +333,10 @@ class Shard:
             self.after_update(self)
 
     # ------------------------------------------------------------------ init / close
-    def _init(self, w: int, f: wire.Frame) -> bool:
+    def _init(self, w: int, req: _Request) -> bool:
+        f = req.frame
+        if req.receiving is not None:          # its values are arriving
+            return self._received(req) and self._init_values_arrived(w, req)
         if self.init_done or self.status[w] == INITED:
             raise Refuse(wire.STATE, "init was already called")
         table = tuple(sorted(f.keys, key=lambda s: s.name.encode("utf-8")))
@@ -310,15 +352,26 @@ class Shard:
                 raise Refuse(wire.PROTOCOL, f"only the lowest-ranked worker ({self.lowest}) "
                              f"sends initial values, not {w}")
             mine = self.plan.on_server(self.server)
-            for i, p in enumerate(mine):
-                key = (p.name, p.index)
-                self.io.recv_payload(w, f.seq, i, self.staging[key] if self.resumed
-                                     else self.params[key])
-            self.have_values = True
-        elif w == self.lowest and not self.resumed:
+            req.pieces = mine
+            # straight into the params (after a resume: into scratch, the checkpoint wins)
+            into = [self._buffer((p.name, p.index)) if self.resumed
+                    else self.params[(p.name, p.index)] for p in mine]
+            return self._received(req, into) and self._init_values_arrived(w, req)
+        if w == self.lowest and not self.resumed:
             raise Refuse(wire.PROTOCOL, "the lowest-ranked worker's init must carry the values")
+        return self._inited(w, f.seq)
+
+    def _init_values_arrived(self, w: int, req: _Request) -> bool:
+        if self.resumed:
+            for p, buf in zip(req.pieces, req.bufs):
+                self.pool[(p.name, p.index)].append(buf)
+        req.bufs = []
+        self.have_values = True
+        return self._inited(w, req.frame.seq)
+
+    def _inited(self, w: int, seq: int) -> bool:
         self.status[w] = INITED
-        self.init_waiting.append((w, f.seq))
+        self.init_waiting.append((w, seq))
         self._maybe_finish_init()
         return True
 
@@ -335,11 +388,9 @@ class Shard:
                 key = (p.name, p.index)
                 self.params[key] = np.zeros(p.count, p.dtype)
                 self.opt_state[key] = self.optimizer.new_state(p.count, p.dtype)
-                self.staging[key] = np.empty(p.count, p.dtype)
-                if self.sync:
-                    self.acc[key] = np.empty(p.count, p.dtype)
+                self.pool[key] = []
         except MemoryError:
-            self.params.clear(), self.opt_state.clear(), self.staging.clear(), self.acc.clear()
+            self.params.clear(), self.opt_state.clear(), self.pool.clear()
             raise Refuse(wire.PROTOCOL, "init: not enough memory for the shard") from None
         self.plan = plan
         self.held = {(p.name, p.index): p for p in mine}
@@ -378,6 +429,7 @@ class Shard:
             moved = True
             self.status[w] = DEAD
             self.queues[w].clear()
+            self.receiving = [r for r in self.receiving if r.worker != w]
             self.waiting = [x for x in self.waiting if x[0] != w]
             self.init_waiting = [x for x in self.init_waiting if x[0] != w]
             if self.sync or not self.init_done:
