@@ -3,8 +3,9 @@
     minicomm bench pushpull                 # 16 MiB model, 2 servers + 2 workers, shm
     minicomm bench pushpull --sizes 4M --iters 30 --json out.json
 
-One job of ``servers + workers`` ranks (``mc.spawn``, or the ranks of ``minicomm run``) measures,
-in this order and with the other ranks idle at a barrier:
+One job of ``servers + workers`` ranks (``mc.spawn``) measures, in rounds (``--batches``, default
+5) that interleave the four so load that comes and goes on a shared machine hits all alike, each
+with the ranks not involved idle at a barrier:
 
   1. p2p: a ping-pong of the model between rank 0 (a server) and rank ``servers`` (a worker):
      bandwidth = 2·M / round trip (both directions, like a push then a pull); then the same with
@@ -16,7 +17,14 @@ in this order and with the other ranks idle at a barrier:
 
 Reported: times, bandwidths (GB/s = 1e9 B/s), and ``ratio`` = PS goodput / p2p bandwidth (the
 issue's target: >= 0.5). Bytes per step: 2M per worker; each server's link 2M·W/k; the ring
-allreduce 2M(n-1)/n per rank. Timing is the median of ``--iters`` calls after ``--warmup``.
+allreduce 2M(n-1)/n per rank. Each figure: the median over rounds of the median of ``--iters``
+calls (default 10) after 2 warm-up calls.
+
+Reading the ratio: in a PS step all ``servers + workers`` processes copy at once (every byte is
+copied into shared memory by its sender and out by its receiver, plus the servers' sum and
+update), where the single-pair ping-pong has two processes busy and the rest asleep. With fewer
+cores than ranks they share the cores, and the ratio to the ping-pong of every pair at once
+(``vs pairs``: as many busy processes as the PS step) is the like-for-like one.
 """
 from __future__ import annotations
 
@@ -26,6 +34,8 @@ import time
 from typing import Dict, List, Optional
 
 import numpy as np
+
+from . import ps
 
 GB = 1e9
 
@@ -52,8 +62,47 @@ def _pingpong(comm, peer: int, x: np.ndarray, y: np.ndarray, iters: int, warmup:
     return times
 
 
-def rank_main(comm, nbytes: int, servers: int, iters: int, warmup: int) -> Optional[Dict]:
-    from . import ps
+def _round(comm, model, buf, servers: int, iters: int, warmup: int) -> Dict[str, float]:
+    """One round of every measurement; each is the median of ``iters`` calls."""
+    workers = comm.size - servers
+    out = {}
+    comm.barrier()
+    t = []
+    if comm.rank in (0, servers):
+        t = _pingpong(comm, servers - comm.rank, model, buf, iters, warmup, comm.rank == 0)
+    out["p2p_s"] = _median_max(comm, t)
+    pairs = min(servers, workers)
+    t = []
+    if comm.rank < pairs:
+        t = _pingpong(comm, comm.rank + servers, model, buf, iters, warmup, True)
+    elif servers <= comm.rank < servers + pairs:
+        t = _pingpong(comm, comm.rank - servers, model, buf, iters, warmup, False)
+    out["p2p_pairs_s"] = _median_max(comm, t)
+    t = []
+    for i in range(warmup + iters):
+        comm.barrier()
+        t0 = time.perf_counter()
+        comm.allreduce(model, out=buf)
+        if i >= warmup:
+            t.append(time.perf_counter() - t0)
+    out["allreduce_s"] = _median_max(comm, t)
+    t = []
+    kv = ps.start(comm, num_servers=servers, staleness=0, optimizer=ps.SGD(lr=1e-6))
+    if kv is not None:
+        kv.init({"model": model})
+        grad = np.full(model.size, 1e-3, np.float32)
+        for i in range(warmup + iters):
+            t0 = time.perf_counter()
+            kv.pushpull({"model": grad})
+            if i >= warmup:
+                t.append(time.perf_counter() - t0)
+        kv.close()
+    out["pushpull_s"] = _median_max(comm, t)        # servers contribute 0: the slowest worker
+    return out
+
+
+def rank_main(comm, nbytes: int, servers: int, iters: int, warmup: int,
+              rounds: int = 3) -> Optional[Dict]:
     n = comm.size
     workers = n - servers
     if workers < 1 or servers < 1:
@@ -61,56 +110,19 @@ def rank_main(comm, nbytes: int, servers: int, iters: int, warmup: int) -> Optio
     count = max(1, nbytes // 4)
     model = np.full(count, 0.5, np.float32)
     buf = np.empty_like(model)
-    out: Dict = {"bytes": count * 4, "servers": servers, "workers": workers}
-
-    # 1. p2p: one pair, then every server with a worker at once
-    comm.barrier()
-    t = []
-    if comm.rank in (0, servers):
-        t = _pingpong(comm, servers - comm.rank, model, buf, iters, warmup, comm.rank == 0)
-    one = _median_max(comm, t)
-    comm.barrier()
-    pairs = min(servers, workers)
-    t = []
-    if comm.rank < pairs:
-        t = _pingpong(comm, comm.rank + servers, model, buf, iters, warmup, True)
-    elif servers <= comm.rank < servers + pairs:
-        t = _pingpong(comm, comm.rank - servers, model, buf, iters, warmup, False)
-    both = _median_max(comm, t)
-    out["p2p_s"], out["p2p_pairs_s"], out["p2p_pairs"] = one, both, pairs
-
-    # 2. allreduce of the same bytes over every rank
-    times = []
-    for i in range(warmup + iters):
-        comm.barrier()
-        t0 = time.perf_counter()
-        comm.allreduce(model, out=buf)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    out["allreduce_s"] = _median_max(comm, times)
-    comm.barrier()
-
-    # 3. the parameter server: BSP, SGD, the whole model in every pushpull
-    kv = ps.start(comm, num_servers=servers, staleness=0, optimizer=ps.SGD(lr=1e-6))
-    if kv is None:
-        return None
-    kv.init({"model": model})
-    grad = np.full(count, 1e-3, np.float32)
-    times = []
-    for i in range(warmup + iters):
-        t0 = time.perf_counter()
-        kv.pushpull({"model": grad})
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    kv.close()
-    out["pushpull_s"] = float(np.median(times))
-    return out
+    # Rounds interleave the measurements, so load that comes and goes on a shared machine
+    # hits all of them alike; each figure is the median over rounds.
+    rows = [_round(comm, model, buf, servers, iters, warmup) for _ in range(rounds)]
+    out: Dict = {"bytes": count * 4, "servers": servers, "workers": workers, "rounds": rounds,
+                 "iters": iters, "p2p_pairs": min(servers, workers)}
+    for k in rows[0]:
+        out[k] = float(np.median([r[k] for r in rows]))
+        out[k + "_rounds"] = [r[k] for r in rows]
+    return out if comm.rank == 0 else None
 
 
 def summarize(results: List[Optional[Dict]]) -> Dict:
-    rows = [r for r in results if r is not None]
-    base = dict(rows[0])
-    base["pushpull_s"] = max(r["pushpull_s"] for r in rows)       # the slowest worker
+    base = dict(results[0])
     m = base["bytes"]
     base["p2p_GBps"] = 2 * m / base["p2p_s"] / GB
     base["p2p_pairs_GBps"] = 2 * m / base["p2p_pairs_s"] / GB
@@ -147,9 +159,10 @@ def format_report(s: Dict, transport: str) -> str:
 
 
 def run(nbytes: int = 16 << 20, servers: int = 2, workers: int = 2, transport: str = "auto",
-        iters: int = 20, warmup: int = 3, timeout: Optional[float] = None) -> Dict:
+        iters: int = 10, warmup: int = 2, timeout: Optional[float] = None,
+        rounds: int = 3) -> Dict:
     from .launch import spawn
-    results = spawn(rank_main, servers + workers, args=(nbytes, servers, iters, warmup),
+    results = spawn(rank_main, servers + workers, args=(nbytes, servers, iters, warmup, rounds),
                     transport=transport, timeout=timeout)
     return summarize(results)
 
@@ -168,7 +181,8 @@ def main_from_cli(a) -> int:
               file=sys.stderr)
         return 2
     try:
-        s = run(nbytes, servers, workers, a.transport, a.iters or 20, a.warmup, a.timeout)
+        s = run(nbytes, servers, workers, a.transport, a.iters or 10, min(a.warmup, 2), a.timeout,
+                max(1, a.batches))
     except BenchError as e:
         print(f"minicomm bench pushpull: {e}", file=sys.stderr)
         return 2
