@@ -640,14 +640,22 @@ def malformed_job(comm):
     except ps.ProtocolError as e:
         refused = str(e)
     kv._clocks[0] -= 3
-    p = kv.pushpull({"w": np.ones(4)})["w"]    # none of the refused pushes was applied
+    mine = {"w": np.empty(4)}
+    p = kv.pushpull({"w": np.ones(4)}, out=mine)["w"]   # none of the refused pushes applied
+    assert p is mine["w"]
+    try:
+        kv.pull(["w"], out={"w": np.empty(5)})
+        bad_out = None
+    except ValueError as e:
+        bad_out = str(e)
     kv.close()
-    return answers, refused, p
+    return answers, refused, p, bad_out
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_malformed_requests_are_refused_by_name_and_the_server_keeps_serving(runner):
-    answers, refused, p = _run(malformed_job, 2, runner)[1]
+    answers, refused, p, bad_out = _run(malformed_job, 2, runner)[1]
+    assert "shape (4,)" in bad_out
     assert [a[0] for a in answers] == [wire.ERROR] * 6
     assert [a[1] for a in answers] == [wire.PROTOCOL] * 5 + [wire.STATE]
     for (_, _, msg), what in zip(answers, ["bad magic", "uint8", "no piece 5", "does not fit",
@@ -799,3 +807,21 @@ def test_minicomm_run_servers_sets_the_roles(tmp_path):
 def test_killed_server_process_resumes_from_checkpoint(tmp_path):
     # real processes over shm: server 0 calls os._exit at its 7th update (checkpoints every 5)
     _kill_and_resume("shm", tmp_path, "exit")
+
+
+def test_bench_pushpull_cli_reports_every_figure(tmp_path):
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "pp.json"
+    r = subprocess.run([sys.executable, "-m", "minicomm.cli", "bench", "pushpull", "--sizes",
+                        "256K", "--iters", "2", "--batches", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(out.read_text())
+    assert s["bytes"] == 256 << 10 and (s["servers"], s["workers"]) == (2, 2)
+    for k in ("p2p_s", "p2p_pairs_s", "allreduce_s", "pushpull_s"):
+        assert s[k] > 0
+    assert s["ratio"] == pytest.approx(2 * s["bytes"] / s["pushpull_s"] / (2 * s["bytes"] /
+                                                                             s["p2p_s"]))
+    assert "ps goodput / p2p bandwidth" in r.stdout

@@ -190,16 +190,36 @@ class Worker:
         self._clocks = [f.clock for f in frames]
         self.resumed = any(f.flags & wire.RESUMED for f in frames)
 
-    def pull(self, keys: Iterable[str]) -> Dict[str, np.ndarray]:
-        """The current values of ``keys`` (a dict of new arrays). Under staleness 0 it waits
-        until every worker's push of this worker's last clock is applied; under k, until the
-        slowest worker is at most k clocks behind."""
+    def _results(self, names: Sequence[str], out, what: str) -> Dict[str, np.ndarray]:
+        """New arrays for ``names``, or the caller's ``out`` arrays once checked."""
+        if out is None:
+            return {n: np.empty(self.plan.specs[n].shape, self.plan.specs[n].dtype)
+                    for n in names}
+        if not isinstance(out, Mapping):
+            raise TypeError(f"ps.Worker.{what}: out= must be a dict of {{name: array}}")
+        res = {}
+        for n in names:
+            spec, a = self.plan.specs[n], out.get(n)
+            if not isinstance(a, np.ndarray) or a.shape != spec.shape or a.dtype != spec.dtype \
+                    or not a.flags.c_contiguous or not a.flags.writeable:
+                raise ValueError(f"ps.Worker.{what}: out[{n!r}] must be a writeable C-contiguous "
+                                 f"{spec.dtype} array of shape {spec.shape}")
+            res[n] = a
+        return res
+
+    def pull(self, keys: Iterable[str], out: Optional[Mapping[str, np.ndarray]] = None
+             ) -> Dict[str, np.ndarray]:
+        """The current values of ``keys`` (a dict of new arrays; with ``out=`` a dict of
+        arrays to fill, it fills and returns those). Under staleness 0 it waits until every
+        worker's push of this worker's last clock is applied; under k, until the slowest worker
+        is at most k clocks behind."""
         self._check_ready("pull")
         if isinstance(keys, str):
             keys = [keys]
         names = list(dict.fromkeys(keys))
-        specs = [self._spec(n, "pull") for n in names]
-        results = {s.name: np.empty(s.shape, s.dtype) for s in specs}
+        for n in names:
+            self._spec(n, "pull")
+        results = self._results(names, out, "pull")
         req = _Outstanding("pull", self._next_seq(), pull=True)
         for s in range(self.num_servers):
             pieces = self.plan.pieces_of(names, s)
@@ -220,18 +240,19 @@ class Worker:
             self.wait(ts)
         return ts
 
-    def pushpull(self, grads: Mapping[str, object]) -> Dict[str, np.ndarray]:
-        """Push gradients, then return the updated values of the same keys (one round trip)."""
-        ts = self._push(grads, wire.PUSHPULL, "pushpull")
+    def pushpull(self, grads: Mapping[str, object],
+                 out: Optional[Mapping[str, np.ndarray]] = None) -> Dict[str, np.ndarray]:
+        """Push gradients, then return the updated values of the same keys (one round trip);
+        ``out=`` as for ``pull``."""
+        ts = self._push(grads, wire.PUSHPULL, "pushpull", out)
         return self.wait(ts)
 
-    def _push(self, grads, opcode: int, what: str) -> int:
+    def _push(self, grads, opcode: int, what: str, out=None) -> int:
         self._check_ready(what)
         flat = self._gradients(grads, what)
         names = list(flat)
         pull = opcode == wire.PUSHPULL
-        results = {n: np.empty(self.plan.specs[n].shape, self.plan.specs[n].dtype)
-                   for n in names} if pull else None
+        results = self._results(names, out, what) if pull else None
         req = _Outstanding(what, self._next_seq(), pull=pull)
         for s in range(self.num_servers):
             pieces = self.plan.pieces_of(names, s)
