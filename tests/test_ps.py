@@ -694,27 +694,23 @@ def _outcomes(d, ranks):
 
 
 # A rank that raises under "inproc" aborts the whole thread world (every peer's receive fails,
-# naming no rank), and a spawned process whose function raises closes its links in order (which
-# ANY_SOURCE does not report as a failure), so a worker's death is a crash of its process.
-DEATH_RUNNERS = ["fake", "shm"]
+# naming no rank), so deaths are exercised with processes: a crash (os._exit, no goodbye on any
+# link) and a raise (the spawned process closes its links in order, as if it had finished, and
+# never calls kv.close(): the servers notice it by its links, not by a failure report).
+DEATHS = [("fake", "raise"), ("shm", "exit"), ("shm", "raise")]
 
 
-def _how(runner):
-    return "raise" if runner == "fake" else "exit"
-
-
-@pytest.mark.parametrize("runner", DEATH_RUNNERS)
-def test_async_job_survives_a_dead_worker(runner, tmp_path):
-    failed = _run_failing(lambda c: death_job(c, None, str(tmp_path), _how(runner)), 4,
-                          runner)
+@pytest.mark.parametrize("runner,how", DEATHS)
+def test_async_job_survives_a_dead_worker(runner, how, tmp_path):
+    failed = _run_failing(lambda c: death_job(c, None, str(tmp_path), how), 4, runner)
     assert failed == [2]                     # only the dying worker; server and others finished
     out = _outcomes(tmp_path, [1, 3])
     assert [o["clock"] for o in out.values()] == [10, 10]
 
 
-@pytest.mark.parametrize("runner", DEATH_RUNNERS)
-def test_sync_job_reports_a_dead_worker_as_peer_failure(runner, tmp_path):
-    failed = _run_failing(lambda c: death_job(c, 0, str(tmp_path), _how(runner)), 4, runner)
+@pytest.mark.parametrize("runner,how", DEATHS)
+def test_sync_job_reports_a_dead_worker_as_peer_failure(runner, how, tmp_path):
+    failed = _run_failing(lambda c: death_job(c, 0, str(tmp_path), how), 4, runner)
     assert failed[0] == 2 and set(failed) <= {0, 2}    # root cause first; the server may follow
     out = _outcomes(tmp_path, [1, 3])
     for o in out.values():

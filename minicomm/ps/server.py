@@ -36,6 +36,7 @@ from .shard import INITED, NEW, Refuse, Shard, clone_optimizer
 
 TEST_HOOKS: Dict[str, object] = {}
 _REAP_EVERY = 256
+LIVENESS_S = 1.0          # a worker gone without a failure report is noticed about this soon
 
 
 class Payload:
@@ -199,19 +200,53 @@ class Server:
         return int(got[0])
 
     # ------------------------------------------------------------------ the loop
+    def _watch(self) -> Dict[int, object]:
+        """One receive per worker on a tag nobody sends: it fails when the worker's links close,
+        even in order (a process that exits without ``kv.close()``), which ANY_SOURCE does not
+        report as a failure."""
+        t = wire.tag(wire.LIVENESS, 0)
+        return {w: self.comm.irecv(w, tag=t) for w in self.shard.workers}
+
+    def _check_alive(self, watch: Dict[int, object]) -> None:
+        shard = self.shard
+        for w, work in list(watch.items()):
+            if shard.status[w] not in (INITED, NEW):
+                del watch[w]
+                continue
+            try:
+                work.wait(0)
+            except CommTimeout:
+                continue
+            except CommError:
+                del watch[w]
+                shard.worker_failed(w)
+                continue
+            watch[w] = self.comm.irecv(w, tag=wire.tag(wire.LIVENESS, 0))   # stray message
+
     def run(self) -> None:
         shard, comm, io = self.shard, self.comm, self.io
         frames = comm.irecv(ANY_SOURCE, tag=wire.REQUEST_TAG)     # always posted: frames land
+        watch = self._watch()
+        # Waits are cut into LIVENESS_S slices so a worker that vanished without a failure
+        # report is noticed within about that long (a few receive polls per slice, no spinning).
+        slice_s = min(self.timeout, LIVENESS_S)
+        checked = time.monotonic()
         stale_failure = False
         while not shard.done:
+            if time.monotonic() - checked >= slice_s:
+                self._check_alive(watch)
+                checked = time.monotonic()
+                shard.progress()
+                if shard.done:
+                    break
             # Wait for the oldest request whose data is in flight, else for a frame; either
             # wait moves every posted message (other workers' data, the next frames) meanwhile.
             try:
                 if shard.receiving:
-                    io.wait_payload(shard.receiving[0].receiving, self.timeout)
+                    io.wait_payload(shard.receiving[0].receiving, slice_s)
                     message = frames.wait(0)
                 else:
-                    message = frames.wait(self.timeout)
+                    message = frames.wait(slice_s)
             except CommTimeout:
                 shard.progress()
                 continue                 # workers computing; each waits under its own timeout
@@ -222,9 +257,14 @@ class Server:
                     shard.worker_failed(peer)
                     continue
                 # No live worker to blame: the whole communicator failed (peer None), or the
-                # transport repeats a failure we already know (everyone else is gone). Once
-                # may be another server's death, which reaches the workers through their own
-                # waits; twice in a row means nothing more can arrive.
+                # transport repeats a failure we already know (everyone else is gone: a worker
+                # that left without a report is found by its links). Once may be another
+                # server's death, which reaches the workers through their own waits; twice in
+                # a row means nothing more can arrive.
+                self._check_alive(watch)
+                shard.progress()
+                if shard.done:
+                    break
                 if peer is None or stale_failure:
                     raise
                 stale_failure = True

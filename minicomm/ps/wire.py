@@ -61,7 +61,7 @@ ERROR_NAMES = {PROTOCOL: "protocol", PEER_FAILED: "peer failed", MISMATCH: "mism
                STATE: "state"}
 
 # tags: kind in bits 24..30, the request's seq in bits 0..23 (user tags are < 2**31)
-REQUEST, PUSH_DATA, RESPONSE, RESPONSE_DATA, SERVER = 1, 2, 3, 4, 5
+REQUEST, PUSH_DATA, RESPONSE, RESPONSE_DATA, SERVER, LIVENESS = 1, 2, 3, 4, 5, 6
 SEQ_MASK = (1 << 24) - 1
 REQUEST_TAG = REQUEST << 24
 
