@@ -2,6 +2,7 @@
 
     minicomm bench allreduce -b 8 -e 64M -f 4 -n 2 --transport shm --algorithms ring,rhd,auto
     minicomm bench all -b 1K -e 1M --peers mpi,gloo --csv out.csv --plot busbw.png
+    minicomm bench pushpull       # parameter server vs allreduce vs p2p (minicomm.pushpull_bench)
 
 Method, per collective and size, separately for out-of-place and in-place buffers:
   every library (each minicomm algorithm, then each peer) is warmed up; the iterations per batch
