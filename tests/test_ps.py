@@ -821,3 +821,21 @@ def test_bench_pushpull_cli_reports_every_figure(tmp_path):
     assert s["ratio"] == pytest.approx(2 * s["bytes"] / s["pushpull_s"] / (2 * s["bytes"] /
                                                                              s["p2p_s"]))
     assert "ps goodput / p2p bandwidth" in r.stdout
+
+
+def test_shard_request_refused_while_its_data_arrives_leaves_nothing_in_flight():
+    class SlowIO(FakeIO):
+        def post_payload(self, w, seq, bufs):
+            return "pending"
+
+        def payload_done(self, h):
+            return h != "pending"
+    io = SlowIO()
+    sh = Shard(0, 1, [1, 2], 0, ps.SGD(0.1), 1 << 20, io)
+    sh.submit(1, wire.encode(wire.INIT, 1, keys=KEYS, flags=wire.HAS_VALUES))
+    sh.progress()
+    assert len(sh.receiving) == 1                 # worker 1's values are on their way
+    sh.submit(2, wire.encode(wire.INIT, 1, keys=KEYS[:1]))
+    sh.progress()                                 # mismatch: the job is broken for everyone
+    assert sh.receiving == [] and sh.broken[0] == wire.MISMATCH
+    assert sorted(w for w, f, _ in io.take() if f.flags == wire.MISMATCH) == [1, 2]

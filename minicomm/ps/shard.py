@@ -163,6 +163,8 @@ class Shard:
                         finished = self._step(w, req)
                     except Refuse as e:
                         q.popleft()
+                        if req in self.receiving:     # refused while its data was arriving
+                            self.receiving.remove(req)
                         self._refuse(w, req.frame.seq, e.code, e.message, e.peer)
                         moved = True
                         continue
