@@ -428,15 +428,23 @@ def _initial():
     return {"w": rng.standard_normal((D_IN, D_OUT)) * 0.1, "b": np.zeros(D_OUT)}
 
 
-def reference_sync(workers, steps, lr=0.1, momentum=0.0):
-    """Single-process large-batch SGD (the batches of all workers at once)."""
-    p, v = _initial(), {"w": 0.0, "b": 0.0}
+def reference_sync(workers, steps, lr=0.1, momentum=0.0, adam=None):
+    """Single-process large-batch SGD, or Adam with ``adam=(b1, b2, eps)`` (the batches of all
+    workers at once)."""
+    p, v, m = _initial(), {"w": 0.0, "b": 0.0}, {"w": 0.0, "b": 0.0}
     for step in range(steps):
         xs, ys = zip(*(_batch(w, step) for w in range(workers)))
         g = _grads(p, np.concatenate(xs), np.concatenate(ys))
         for k in p:
-            v[k] = momentum * v[k] + g[k]
-            p[k] = p[k] - lr * v[k]
+            if adam:
+                b1, b2, eps = adam
+                t = step + 1
+                m[k] = b1 * m[k] + (1 - b1) * g[k]
+                v[k] = b2 * v[k] + (1 - b2) * g[k] ** 2
+                p[k] = p[k] - lr * (m[k] / (1 - b1 ** t)) / (np.sqrt(v[k] / (1 - b2 ** t)) + eps)
+            else:
+                v[k] = momentum * v[k] + g[k]
+                p[k] = p[k] - lr * v[k]
     return p
 
 
@@ -553,6 +561,15 @@ def test_sync_ps_equals_large_batch_sgd(runner, servers, workers, pull_then_push
 def test_sync_ps_momentum_is_large_batch_momentum(runner):
     out = _run(lambda c: train_job(c, 2, 12, optimizer=ps.SGD(0.1, momentum=0.9)), 4, runner)
     ref = reference_sync(2, 12, momentum=0.9)
+    for p, _, _ in out[2:]:
+        _close_to(p, ref)
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_sync_ps_adam_is_large_batch_adam(runner):
+    out = _run(lambda c: train_job(c, 2, 10, optimizer=ps.Adam(0.05, betas=(0.8, 0.99))), 5,
+               runner)
+    ref = reference_sync(3, 10, lr=0.05, adam=(0.8, 0.99, 1e-8))
     for p, _, _ in out[2:]:
         _close_to(p, ref)
 
