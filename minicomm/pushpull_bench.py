@@ -13,7 +13,8 @@ with the ranks not involved idle at a barrier:
   2. allreduce of the same M bytes over all ranks (``algorithm="auto"``), time per call of the
      slowest rank: the decentralised way to do the same step;
   3. PS: ``ps.start`` with BSP SGD; each worker times ``pushpull`` of the whole model (M bytes
-     pushed, M pulled); goodput = 2·M / time per step, the median over steps, slowest worker.
+     pushed, M pulled, into ``out=`` like the rows above); goodput = 2·M / time per step, the
+     slowest worker.
 
 Reported: times, bandwidths (GB/s = 1e9 B/s), and ``ratio`` = PS goodput / p2p bandwidth (the
 issue's target: >= 0.5). Bytes per step: 2M per worker; each server's link 2M·W/k; the ring
@@ -90,10 +91,11 @@ def _round(comm, model, buf, servers: int, iters: int, warmup: int) -> Dict[str,
     kv = ps.start(comm, num_servers=servers, staleness=0, optimizer=ps.SGD(lr=1e-6))
     if kv is not None:
         kv.init({"model": model})
-        grad = np.full(model.size, 1e-3, np.float32)
+        grad = {"model": np.full(model.size, 1e-3, np.float32)}
+        into = {"model": buf}        # out=, as the p2p and allreduce rows: no allocation timed
         for i in range(warmup + iters):
             t0 = time.perf_counter()
-            kv.pushpull({"model": grad})
+            kv.pushpull(grad, out=into)
             if i >= warmup:
                 t.append(time.perf_counter() - t0)
         kv.close()
