@@ -11,6 +11,11 @@ BSP sum, nothing on the way out. Data moves only while its worker is inside a mi
 (the transports have no background thread), so a worker that pushes with ``wait=False`` and then
 computes for long delays its own data, and, for that long, what this server does next.
 
+Failures: an ANY_SOURCE receive reports a worker whose links fail; a worker whose process
+ended in order without ``kv.close()`` (links closed, no failure report) is found by a receive
+posted per worker on a tag nobody sends, polled every ``LIVENESS_S`` (1 s) and whenever a
+failure is reported. A failure naming no rank (the whole communicator failed) ends the server.
+
 Checkpoints are taken after every ``checkpoint_every``-th update; with ``resume=True`` the
 servers of a synchronous job first agree (server 0 collects what each has) on the newest update
 count every one of them holds, so all shards restart from the same clock.
