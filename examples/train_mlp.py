@@ -28,6 +28,7 @@ import minicomm as mc
 from minicomm.tools import demo
 from minicomm.training import load_dataset, ps_available, train_data_parallel, train_ps
 
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -19,6 +20,14 @@ def _cmd_run(a) -> int:
     if not argv:
         print("minicomm run: no script given", file=sys.stderr)
         return 2
+    if a.servers is not None:
+        # ps.start(comm) reads it; the local launcher copies the environment into every rank and
+        # the ssh launcher forwards MINICOMM_* variables, so one place serves both
+        if a.servers < 1 or (a.n is not None and a.servers >= a.n):
+            print(f"minicomm run: --servers {a.servers} needs 1 <= servers < -n "
+                  f"(at least one worker)", file=sys.stderr)
+            return 2
+        os.environ["MINICOMM_NUM_SERVERS"] = str(a.servers)
     if a.hosts or a.hostfile:
         from .launch import ssh as sshlaunch
         try:
@@ -63,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--nodes", type=int, default=1, help="emulated nodes on this box")
     r.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"])
     r.add_argument("--timeout", type=float, default=None, help="per-wait timeout (s)")
+    r.add_argument("--servers", type=int, default=None,
+                   help="parameter servers: ranks 0..K-1 serve in ps.start(comm), the rest are "
+                        "workers (sets MINICOMM_NUM_SERVERS)")
     r.add_argument("--hosts", help="host:slots,host:slots (ssh)")
     r.add_argument("--hostfile", help="file of 'host [slots=N]' lines (ssh)")
     r.add_argument("--ssh-opts", default=None, help="extra ssh options (or MINICOMM_SSH)")

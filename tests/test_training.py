@@ -16,8 +16,17 @@ import numpy as np
 import pytest
 
 import minicomm as mc
-from minicomm.training import (MLP, GradBuckets, ShardedLoader, TrainConfig, evaluate,
-                               load_dataset, train_data_parallel, train_ps, train_single)
+from minicomm.training import (
+    MLP,
+    GradBuckets,
+    ShardedLoader,
+    TrainConfig,
+    evaluate,
+    load_dataset,
+    train_data_parallel,
+    train_ps,
+    train_single,
+)
 from minicomm.training.data import synthetic
 from minicomm.training.data_parallel import DataParallel, schedule_traffic
 

@@ -19,7 +19,6 @@ the itemsize; that is what ``RankLog.bytes_sent_per_step`` reports.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np

@@ -12,8 +12,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
-import numpy as np
-
 from .data import Dataset, ShardedLoader
 from .mlp import MLP, Params, sgd_step
 
