@@ -976,6 +976,15 @@ class MinicommProcessGroup(dist.ProcessGroup):
         comm = self._coll
         return self._launch("barrier", [], comm.barrier, opts)
 
+    # ---- dist._coalescing_manager(device=...): torch records the ops and calls the coalesced
+    # methods above itself; these two only bracket them (the C++ ones need a C++ backend)
+    def _start_coalescing(self, device=None) -> None:
+        pass
+
+    def _end_coalescing(self, device=None):
+        """A work that completes once everything issued before it has (the queue is FIFO)."""
+        return self._launch("end of coalescing", [], lambda: None)
+
     # ---- point to point (caller's thread, second communicator)
     def _p2p_tag(self, tag: int, what: str) -> int:
         if not 0 <= int(tag) < 2 ** 31:

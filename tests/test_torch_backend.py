@@ -397,6 +397,21 @@ def _w_groups_async(rank, size):
               dist.barrier(async_op=True)):
         assert isinstance(w, dist.Work), type(w)
         w.wait()
+    # the coalescing manager, with and without a device (torch calls the *_coalesced methods)
+    a, b = torch.ones(3) * rank, torch.ones(5, dtype=torch.float64) * (rank + 1)
+    for device in (None, torch.device("cpu")):
+        with dist._coalescing_manager(device=device, async_ops=True) as cm:
+            dist.all_reduce(a)
+            dist.all_reduce(b)
+        cm.wait()
+    _eq(a, torch.ones(3) * sum(range(size)) * size, "coalesced all_reduce a")
+    _eq(b, torch.ones(5, dtype=torch.float64) * sum(range(1, size + 1)) * size, "coalesced b")
+    outs = [torch.zeros(2 * size), torch.zeros(3 * size)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.all_gather_into_tensor(outs[0], torch.full((2,), float(rank)))
+        dist.all_gather_into_tensor(outs[1], torch.full((3,), float(rank)))
+    cm.wait()
+    _eq(outs[1], torch.arange(size, dtype=torch.float32).repeat_interleave(3), "coalesced ag")
     dist.destroy_process_group(evens if rank in (0, 2) else odds)
     dist.all_reduce(t)
     return True
