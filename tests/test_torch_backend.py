@@ -525,6 +525,7 @@ def _w_pitfalls(rank, size):
     assert dist.ProcessGroup.group_name.fget(pg) == name            # C++ -> trampoline
     sub = dist.new_group(list(range(size)))
     assert sub.group_name == dist.distributed_c10d._get_process_group_name(sub) != name
+    sub2 = dist.new_group(list(range(size)))
     dist.ProcessGroup._set_group_name(sub, "renamed")                 # C++ setGroupName
     assert sub.group_name == "renamed" and dist.ProcessGroup.group_name.fget(sub) == "renamed"
     assert pg._get_backend_name() == "minicomm"                       # C++ getBackendName
@@ -536,6 +537,14 @@ def _w_pitfalls(rank, size):
     dist._broadcast_coalesced(pg, tensors, 1 << 20, 0)
     _eq(tensors[0], torch.zeros(3), "_broadcast_coalesced")
     _eq(tensors[1], torch.ones(2, 2), "_broadcast_coalesced 2")
+    # functional collectives: C++ finds the group by its name in torch's registry, then calls
+    # it through the trampoline
+    import torch.distributed._functional_collectives as fc
+    r = fc.all_reduce(torch.full((3,), rank + 1.0), "sum", pg)
+    _eq(torch.as_tensor(r.wait() if hasattr(r, "wait") else r), torch.full((3,), 3.0), "fc.all_reduce")
+    g = fc.all_gather_single(torch.full((2,), float(rank)), 0, sub2)
+    _eq(torch.as_tensor(g.wait() if hasattr(g, "wait") else g), torch.tensor([0.0, 0, 1, 1]),
+        "fc.all_gather_single on a sub-group")
     # the future of a work is a torch Future (as gloo's are) carrying the output tensors
     t = torch.ones(3)
     fut = pg.allreduce([t]).get_future()
