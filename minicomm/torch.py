@@ -370,7 +370,13 @@ class _DoneWork(dist._Work):
 class _Engine:
     """Runs a group's collectives in issue order: queued calls on one worker thread; a
     synchronous call with nothing queued on the caller's thread. ``_exec`` makes sure only one
-    thread at a time is inside the collective communicator."""
+    thread at a time is inside the collective communicator.
+
+    A call made by a future's callback (which runs on the worker, right after the call it
+    follows: DDP comm hooks such as PowerSGD chain collectives this way) runs at once, sync or
+    async: its place in the order is then the same on every rank — after the call whose
+    completion triggered it, before whatever the main thread queued meanwhile (queuing it
+    would put it behind a varying number of those, and mismatch or mix up calls)."""
 
     def __init__(self, name: str, timeout: float):
         self.name, self.timeout = name, timeout
@@ -388,7 +394,7 @@ class _Engine:
             if self._closed:
                 raise CommError(f"{work.description}: the process group was shut down")
             on_worker = self._thread is not None and threading.current_thread() is self._thread
-            if not (inline and (self._pending == 0 or on_worker)):
+            if not (on_worker or (inline and self._pending == 0)):
                 self._pending += 1
                 self._queue.append((work, fn))
                 if self._thread is None:

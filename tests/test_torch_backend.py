@@ -444,7 +444,7 @@ def _w_plain_allreduce(rank, size):
     return t.item()
 
 
-def _w_env_init(rank, size, port, port2):
+def _w_env_init(rank, size, port, port2, port3):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("minicomm", rank=rank, world_size=size)       # env://
     t = torch.tensor([rank + 1.0])
@@ -455,12 +455,22 @@ def _w_env_init(rank, size, port, port2):
     u = torch.tensor([10.0 * rank])
     dist.all_reduce(u)
     dist.destroy_process_group()
-    return t.item(), u.item()
+    # gloo as the default group, minicomm for a sub-group: a world of its own, bootstrapped
+    # through that sub-group's store
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port3}", rank=rank,
+                            world_size=size)
+    mc = dist.new_group([0, 1], backend="minicomm")
+    v = torch.tensor([rank + 0.5])
+    dist.all_reduce(v, group=mc)
+    assert isinstance(mc, mct.MinicommProcessGroup) and dist.get_backend(mc) == "minicomm"
+    dist.destroy_process_group()
+    return t.item(), u.item(), v.item()
 
 
 def test_env_and_tcp_init_methods(tmp_path):
-    res = run_ranks(tmp_path, _w_env_init, 2, _free_port(), _free_port(), init=None)
-    assert res == [(3.0, 10.0)] * 2
+    res = run_ranks(tmp_path, _w_env_init, 2, _free_port(), _free_port(), _free_port(),
+                    init=None)
+    assert res == [(3.0, 10.0, 2.0)] * 2
 
 
 def _w_reinit_one_store(rank, size, port):
@@ -826,3 +836,50 @@ def test_ddp_surfaces_a_dead_peer_from_backward(tmp_path):
                     allow_exit=(1,))
     assert res[0].startswith("step 2:") and ("PeerFailure" in res[0] or "peer" in res[0].lower()
                                              or "closed" in res[0]), res[0]
+
+
+def _w_ddp_comm_hooks(rank, size):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    x, y = _data(size, steps=6)
+    mine = slice(rank * BATCH, (rank + 1) * BATCH)
+    out = {}
+    # fp16_compress_hook: float16 buckets (staged through float32 by the backend), then .then()
+    # to decompress; PowerSGD: allreduces issued from inside future callbacks
+    for name, install in (
+            ("fp16", lambda m: m.register_comm_hook(None, default_hooks.fp16_compress_hook)),
+            ("powersgd", lambda m: m.register_comm_hook(
+                powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                            start_powerSGD_iter=2, random_seed=7),
+                powerSGD_hook.powerSGD_hook))):
+        model = DDP(_mlp(), bucket_cap_mb=0.0005)
+        install(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        for s in range(6):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[s][mine]), y[s][mine]).backward()
+            opt.step()
+        out[name] = _flat(model.module)
+    # a collective chained inside a callback, while the main thread queues another
+    a, b, c = torch.ones(4), torch.ones(4) * (rank + 1), torch.ones(4) * 10
+    fut = dist.all_reduce(a, async_op=True).get_future().then(
+        lambda f: dist.all_reduce(b, async_op=True).get_future().wait())
+    w = dist.all_reduce(c, async_op=True)
+    fut.wait()
+    w.wait()
+    _eq(a, torch.full((4,), float(size)), "first")
+    _eq(b, torch.full((4,), float(sum(range(1, size + 1)))), "chained in a callback")
+    _eq(c, torch.full((4,), 10.0 * size), "queued meanwhile")
+    return out
+
+
+def test_ddp_comm_hooks_fp16_and_powersgd(tmp_path):
+    size = 3
+    res = run_ranks(tmp_path, _w_ddp_comm_hooks, size)
+    ref = _reference(size, steps=6)
+    for r in range(size):
+        for key in ("fp16", "powersgd"):
+            assert np.array_equal(res[r][key], res[0][key]), f"{key}: ranks differ"
+    # float16 gradients: close to the exact training, not equal
+    np.testing.assert_allclose(res[0]["fp16"], ref, rtol=0, atol=2e-3)
+    assert np.isfinite(res[0]["powersgd"]).all()
