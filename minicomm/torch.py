@@ -16,8 +16,9 @@ connections): the group's lowest rank allocates their ids and publishes them in 
 Execution. Each process group owns a world (or group) ``Communicator`` for collectives and a second
 one for send/recv. Collectives run in issue order on one worker thread per group (the
 communicator's one-thread rule holds by construction); ``async_op=True`` returns at once and the
-work's future completes on that thread (``then`` callbacks run there). A synchronous
-``dist.*`` call with nothing queued runs on the caller's thread instead, saving the hand-off.
+work's future completes on that thread (``then`` callbacks run there, and a collective they
+issue runs at once, in the same place of the order on every rank). A synchronous ``dist.*`` call
+with nothing queued runs on the caller's thread instead, saving the hand-off.
 Send/recv are posted at once on the caller's thread and move when waited on (like MPI; torch's
 gloo likewise gives p2p works no future).
 
@@ -31,8 +32,9 @@ Ops. ``ReduceOp`` SUM, PRODUCT, MIN, MAX, BAND, BOR, BXOR, AVG and PREMUL_SUM (t
 or a one-element tensor, scales a copy of the input before a sum).
 
 Errors. A minicomm ``CommError`` (``MismatchError``, ``CommTimeout``, ``PeerFailure``) raised by a
-collective fails its work: ``wait()`` raises it, ``get_future().wait()`` raises it, chained
-futures and the DDP reducer see it. The first such error breaks the group for good (minicomm's
+collective fails its work: ``wait()`` raises it; ``get_future()`` ends in error (torch reports a
+``RuntimeError`` naming it), and so do chained futures, and the DDP reducer raises it from
+``backward()``. The first such error breaks the group for good (minicomm's
 rule): later calls on it raise ``CommError("communicator is broken: ...")``. Argument errors
 (wrong device, dtype, sizes, a root outside the group) raise from the call itself.
 
@@ -53,7 +55,9 @@ it with ``_set_group_name`` after the creator returns; a Python group has no C++
 it, so ``group_name``, ``_set_group_name`` and the trampoline's ``getGroupName`` /
 ``setGroupName`` are all answered from Python); the return type of works (every method returns a
 ``dist._Work`` subclass that torch's C++ side can hold — never None or a future); errors through
-futures (a failed collective sets the future's exception, it never completes it with a value).
+futures (``Future.set_exception`` completes a future *successfully* as far as C++ knows — the DDP
+reducer then takes the exception object for its bucket and crashes; here the future fails with
+a real C++ error, see ``MinicommWork``).
 
 Cost: per collective, one queue hand-off (~tens of us) unless it runs inline; staging costs one copy
 in and one out; everything else is minicomm's own cost.
