@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="launch a script on N ranks (this box, or hosts over ssh)")
     r.add_argument("-n", type=int, help="number of ranks (with --hosts: cap on the total)")
     r.add_argument("--nodes", type=int, default=1, help="emulated nodes on this box")
-    r.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"])
+    r.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "rdma", "ub"])
     r.add_argument("--timeout", type=float, default=None, help="per-wait timeout (s)")
     r.add_argument("--hosts", help="host:slots,host:slots (ssh)")
     r.add_argument("--hostfile", help="file of 'host [slots=N]' lines (ssh)")
