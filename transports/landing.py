@@ -66,7 +66,7 @@ class _Link:
     __slots__ = ("peer", "inbox", "txq", "rx_cur", "closed", "r_va", "r_key", "r_token",
                  "c_va", "c_key", "c_token", "sent", "credit_q", "arrived", "consumed",
                  "landing", "landing_region", "credit_region", "mm_off",
-                 "qp", "local_node", "tseg", "cseg")      # the last four: the subclass's verbs
+                 "qp", "local_node", "tseg", "cseg", "jfs")   # the last five: subclass verbs
 
     def __init__(self, peer: int):
         self.peer = peer
@@ -118,11 +118,13 @@ class LandingEngine(LinkEngine):
         try:
             self.device.on_peer_closed = self._peer_closed
             self._setup_verbs()
+            # attached before the landing setup: importing a segment may wait for an answer
+            self._progress.attach(self, True)
             self._setup_landing(store, deadline)
         except BaseException:
+            self._progress.detach(self)
             self.device.close()
             raise
-        self._progress.attach(self, True)
 
     def _setup_verbs(self) -> None:
         raise NotImplementedError
@@ -144,12 +146,12 @@ class LandingEngine(LinkEngine):
             left = max(0.0, deadline - time.monotonic())
             (link.r_va, link.r_key, link.r_token, link.c_va, link.c_key,
              link.c_token) = _DESC.unpack(store.get(f"{self.kind}/landing/{p}/{me}", timeout=left))
-            self._connect_peer(link)
+            self._connect_peer(link, store, deadline)
 
     def _landing_token(self) -> int:
         return 0
 
-    def _connect_peer(self, link: _Link) -> None:
+    def _connect_peer(self, link: _Link, store, deadline: float) -> None:
         """Subclass hook: per-peer verbs objects (a QP, an imported segment...)."""
 
     # ----------------------------------------------------------------- subclass hooks

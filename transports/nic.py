@@ -86,9 +86,10 @@ EV_IMM, EV_RECV = 1, 2
 VA_BASE = 0x7E00_0000_0000            # virtual address of arena offset 0 (every process alike)
 MAGIC = 0x4D434E4943                  # "MCNIC"
 MAX_REGIONS = 1024
-ENTRY = 128                           # region table entry: 8 int64 fields, then the mutex
+ENTRY = 192                           # region table entry: 16 int64 fields, then the mutex
+MUTEX_AT = 128
 _KEY, _VALID, _ACCESS, _TOKEN, _OFF, _LEN, _VA, _KIND = range(8)
-_POSTED, _CONSUMED, _SLOT = 13, 14, 15   # receive queues (UB JFR) use the entry's tail
+_DEPTH, _POSTED, _CONSUMED, _SLOT = 12, 13, 14, 15   # receive queues (UB JFR)
 TABLE_OFF = PAGE
 RING_ENTRIES = 1024
 _SLEEPING = 8                         # int64 index in the header: the owner may be asleep
@@ -161,7 +162,7 @@ class ArenaView:
     def mutex(self, idx: int) -> SharedMutex:
         m = self._mutexes.get(idx)
         if m is None:
-            m = self._mutexes[idx] = SharedMutex(self.arena, TABLE_OFF + idx * ENTRY + 64,
+            m = self._mutexes[idx] = SharedMutex(self.arena, TABLE_OFF + idx * ENTRY + MUTEX_AT,
                                                  f"region {idx} of rank {self.rank}")
         return m
 
@@ -232,8 +233,7 @@ class ArenaView:
             q[qi + _CONSUMED] = consumed + 1
         finally:
             m.release()
-        depth = q[qi + _LEN] // q[qi + _SLOT]
-        slot = consumed % depth
+        slot = consumed % q[qi + _DEPTH]
         return OK, q[qi + _OFF] + slot * q[qi + _SLOT], slot
 
     def lookup(self, key, va, n, token):
@@ -340,7 +340,7 @@ class Device:
             q[_RANKS_AT + i] = p
             self._rings_in.append((p, EventRing(a, self._rings_off + i * ring, RING_ENTRIES)))
         for idx in range(MAX_REGIONS):
-            SharedMutex.initialize(a, TABLE_OFF + idx * ENTRY + 64)
+            SharedMutex.initialize(a, TABLE_OFF + idx * ENTRY + MUTEX_AT)
         self._free = [[data_off, size - data_off]]
 
     def _attach(self, p: int, path: str) -> None:
@@ -363,7 +363,7 @@ class Device:
 
     # ------------------------------------------------------------------------ memory
     def register(self, nbytes: int, access: int, token: int = 0, kind: int = 0,
-                 slot_bytes: int = 0) -> Region:
+                 slot_bytes: int = 0, depth: int = 0) -> Region:
         """Carve ``nbytes`` out of the arena and describe it in the region table."""
         if nbytes < 0:
             raise ValueError(f"region length must be >= 0, got {nbytes}")
@@ -391,7 +391,7 @@ class Device:
         q[qi + _KEY], q[qi + _ACCESS], q[qi + _TOKEN] = key, access, _wrap(token)
         q[qi + _OFF], q[qi + _LEN], q[qi + _VA], q[qi + _KIND] = off, nbytes, va, kind
         q[qi + _POSTED] = q[qi + _CONSUMED] = 0
-        q[qi + _SLOT] = slot_bytes
+        q[qi + _SLOT], q[qi + _DEPTH] = slot_bytes, depth
         q[qi + _VALID] = 1            # last: the entry is complete before anyone can match it
         r = Region(self, idx, key, access, _wrap(token), off, nbytes, va, kind, slot_bytes)
         self._regions[idx] = r
@@ -457,11 +457,19 @@ class Device:
         return None
 
     def _local(self, peer, view, op, key, va, nbytes, token, src, dst, a, b, channel, imm):
-        if op == OP_WRITE or op == OP_WRITE_IMM:
-            status = view.write(key, va, src, nbytes, token)
-            if status == OK and op == OP_WRITE_IMM:
-                status = self._event(peer, EV_IMM, channel, imm, nbytes, 0)
-            return status, None
+        if op == OP_WRITE:
+            return view.write(key, va, src, nbytes, token), None
+        if op == OP_WRITE_IMM:
+            # b: a receive queue the immediate consumes an entry of (UB's JFR; rdma: 0, its
+            # receive queue is matched when the target polls), a: that queue's token
+            status, slot = view.check(key, va, nbytes, REMOTE_WRITE, token)[0], 0
+            if status == OK and b:
+                status, _, slot = view.claim_receive(b, 0, None if a == -1 else a)
+            if status == OK:
+                status = view.write(key, va, src, nbytes, token)
+            if status == OK:
+                status = self._event(peer, EV_IMM, channel, imm, nbytes, slot)
+            return status, slot
         if op == OP_READ:
             return view.read(key, va, dst, token), None
         if op in ATOMICS:
@@ -547,7 +555,10 @@ class Device:
             token = None if f.token == -1 else f.token
             if f.op in (OP_WRITE, OP_WRITE_IMM):
                 status, off, _ = own.check(f.key, f.addr, f.payload, REMOTE_WRITE, token)
-                conn.state = (status, 0)
+                slot = 0
+                if status == OK and f.op == OP_WRITE_IMM and f.b:
+                    status, _, slot = own.claim_receive(f.b, 0, None if f.a == -1 else f.a)
+                conn.state = (status, slot)
                 return self.arena.u8[off:off + f.payload] if status == OK else None
             if f.op == OP_SEND:
                 status, off, slot = own.claim_receive(f.key, f.payload, token)
@@ -583,11 +594,13 @@ class Device:
         op, status, a, b, payload, event = f.op, OK, 0, 0, None, None
         if op in (OP_WRITE, OP_WRITE_IMM):
             if f.payload:
-                status = conn.state[0]
+                status, slot = conn.state
             else:
-                status = own.check(f.key, f.addr, 0, REMOTE_WRITE, token)[0]
+                status, slot = own.check(f.key, f.addr, 0, REMOTE_WRITE, token)[0], 0
+                if status == OK and op == OP_WRITE_IMM and f.b:
+                    status, _, slot = own.claim_receive(f.b, 0, None if f.a == -1 else f.a)
             if status == OK and op == OP_WRITE_IMM:
-                event = (peer, EV_IMM, f.channel, f.imm, f.nbytes, 0)
+                event = (peer, EV_IMM, f.channel, f.imm, f.nbytes, slot)
         elif op == OP_SEND:
             status, slot = conn.state if f.payload else own.claim_receive(f.key, 0, token)[::2]
             if status == OK:

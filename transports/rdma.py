@@ -335,7 +335,7 @@ class RdmaTransport(LandingEngine):
         self.nic = RdmaNic(self)
         self._cq = self.nic.create_cq()
 
-    def _connect_peer(self, link: _Link) -> None:
+    def _connect_peer(self, link: _Link, store, deadline: float) -> None:
         link.qp = self.nic.create_qp(link.peer, LANDING_QP, self._cq)
         link.local_node = self.device.is_local(link.peer)
         for _ in range(4 * SLOTS):
