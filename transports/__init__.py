@@ -166,3 +166,16 @@ class RoutedTransport(Transport):
     def close(self) -> None:
         for t in self._transports.values():
             t.close()
+
+
+def rma_backend(transport):
+    """The one-sided interface of ``transport`` (``rma_expose`` / ``rma_attach``, what windows
+    use), or None: rdma and ub are their own; shm shares the window memory directly; tcp,
+    inproc and routed shm+tcp have none (a tcp peer cannot be reached one-sided)."""
+    if hasattr(transport, "rma_expose"):
+        return transport
+    from .shm import ShmTransport
+    if isinstance(transport, ShmTransport):
+        from .shmrma import ShmRma
+        return ShmRma(transport)
+    return None
