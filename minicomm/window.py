@@ -69,6 +69,12 @@ EXCL = 1 << 32                        # lock word: exclusive bit above the share
 ACC_OPS = ("sum", "prod", "min", "max", "band", "bor", "bxor", "replace")
 FOP_OPS = ACC_OPS + ("no_op",)
 _channels = itertools.count(1000)     # rdma QP numbers of windows (landing traffic uses 1)
+_WORDS = {np.dtype(np.int64): ("q", (int,), 64, True), np.dtype(np.uint64): ("Q", (int,), 64, False),
+          np.dtype(np.int32): ("i", (int,), 32, True), np.dtype(np.uint32): ("I", (int,), 32, False),
+          np.dtype(np.float64): ("d", (int, float), 0, False)}
+_UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
+           "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor,
+           "replace": None, "no_op": None}
 _U8 = np.dtype(np.uint8)
 
 
@@ -98,6 +104,9 @@ class Window:
         self._user = array if isinstance(array, np.ndarray) and array.flags.writeable else None
         self._fence = False
         self._freed = False
+        self._typed: List = []
+        self._words: List = []
+        self._valid_ops: set = set()
         self._locks: Dict[int, str] = {}
         self._channels: List = []
         self._exposure = None
@@ -121,6 +130,25 @@ class Window:
             self._release()
             raise
         self.local = exp.u8[CONTROL:].view(self.dtype).reshape(arr.shape)
+        # shm targets: typed views of their memory for fetch_and_op's fast path
+        self._typed = [ch.typed(CONTROL, self.dtype, self._counts[r])
+                       if hasattr(ch, "typed") else None for r, ch in enumerate(self._channels)]
+        # ... and, for the common dtypes, Python-level word views (no numpy call at all)
+        fmt = _WORDS.get(self.dtype)
+        self._words = [memoryview(v).cast("B").cast(fmt[0]) if v is not None and fmt else None
+                       for v in self._typed]
+        self._word_types = fmt[1] if fmt else ()
+        bits, signed = (fmt[2], fmt[3]) if fmt else (0, False)
+        self._wrap = (1 << bits) - 1 if bits else 0
+        self._wrap_off = (1 << (bits - 1)) if bits and signed else 0
+        self._scalar = self.dtype.type
+        self._valid_ops = set()
+        for op in FOP_OPS:
+            try:
+                self._op(op, FOP_OPS, "fetch_and_op")
+                self._valid_ops.add(op)
+            except TypeError:
+                pass
 
     def __repr__(self):
         return (f"<Window rank {self.rank}/{self.size} dtype={self.dtype} "
@@ -205,6 +233,39 @@ class Window:
         return self._rmw(t, ch, boff, src, op, True)
 
     def fetch_and_op(self, value, target: int, offset: int = 0, op="sum"):
+        # The hot case (a counter, a ticket): a shm target, a valid op and offset, an open
+        # epoch -- one critical section on a typed view of the target, nothing else.
+        if type(target) is int and 0 <= target < self.size and op in self._valid_ops \
+                and (self._fence or target in self._locks) and type(offset) is int \
+                and 0 <= offset < self._counts[target]:
+            words = self._words[target]
+            if words is not None and op == "sum" and type(value) in self._word_types:
+                m = self._channels[target].mutex
+                m.acquire()
+                try:
+                    old = words[offset]
+                    new = old + value
+                    if self._wrap:
+                        new = ((new + self._wrap_off) & self._wrap) - self._wrap_off
+                    words[offset] = new
+                finally:
+                    m.release()
+                return self._scalar(old)
+            typed = self._typed[target]
+            if typed is not None:
+                seg = typed[offset:offset + 1]
+                uf = _UFUNCS[op]
+                m = self._channels[target].mutex
+                m.acquire()
+                try:
+                    old = seg[0]
+                    if uf is not None:
+                        uf(seg, value, out=seg)
+                    elif op == "replace":
+                        seg[0] = value
+                finally:
+                    m.release()
+                return old
         t, ch = self._begin(target, "fetch_and_op")
         op = self._op(op, FOP_OPS, "fetch_and_op")
         src = self._data(value, "fetch_and_op")
@@ -376,6 +437,10 @@ class Window:
     def _release(self) -> None:
         self._freed = True
         self.local = None
+        for w in self._words:
+            if w is not None:
+                w.release()
+        self._typed, self._words = [], []
         for ch in self._channels:
             try:
                 ch.close()

@@ -313,15 +313,16 @@ class Jfs:
         if len(self._outstanding) + len(wrs) > self.depth:
             raise CommError(f"ub JFS {self.id}: queue full ({self.depth} requests outstanding)")
         for wr in _placement(wrs):
-            if self.state != "READY":
+            if self.state == "READY":
+                peer = wr.target.peer
+                if wr.fence:
+                    self._wait_outstanding(lambda p, opc: opc == OPC_READ, "a fenced request")
+                if wr.order == ORDER_STRONG:
+                    self._wait_outstanding(lambda p, opc, peer=peer: p != peer,
+                                           "a strongly ordered request")
+            if self.state != "READY":         # an earlier request failed (maybe just now)
                 self._flush_wr(wr)
                 continue
-            peer = wr.target.peer
-            if wr.fence:
-                self._wait_outstanding(lambda p, opc: opc == OPC_READ, "a fenced request")
-            if wr.order == ORDER_STRONG:
-                self._wait_outstanding(lambda p, opc, peer=peer: p != peer, "a strongly ordered "
-                                       "request")
             self._issue(wr)
 
     def _wait_outstanding(self, which, what: str) -> None:
