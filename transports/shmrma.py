@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from minicomm.errors import CommError
-from .segment import PAGE, Arena, SharedMutex
+from .segment import PAGE, Arena, SharedMutex, round_up
 
 
 class ShmRma:
@@ -42,7 +42,7 @@ class ShmRma:
 
 class ShmExposure:
     def __init__(self, path: str, nbytes: int):
-        self.arena = Arena.create(path, PAGE + max(nbytes, 1))
+        self.arena = Arena.create(path, round_up(PAGE + max(nbytes, 1)))
         try:
             self.arena.reserve(0, PAGE + nbytes)
             SharedMutex.initialize(self.arena, 0)
