@@ -3,27 +3,30 @@
 The collectives need send/recv; an RDMA NIC (or a UB Jetty) offers WRITE and WRITE_WITH_IMM. For
 every ordered pair sender -> receiver:
 
-  * the receiver registers a *landing region* for that sender: ``SLOTS`` slots of ``SLOT_BYTES``
-    (8 x 512 KiB = 4 MiB, NCCL's NCCL_STEPS x buffSize/NCCL_STEPS), remote-writable, and the
-    sender registers one *credit word* the receiver may write; both publish (va, key, token)
-    through the rendezvous store at setup;
-  * the sender may use slot ``k % SLOTS`` while ``k - credits < SLOTS``: it WRITEs the chunk's
-    payload to the slot (offset 64), then WRITE_WITH_IMMs the 64-byte record header (the Tag,
-    the message length, the chunk's offset and length) to the slot's start with imm = DATA;
-    the reliable, in-order path makes the payload land before the header's completion;
+  * the receiver registers a *landing ring* for that sender (``RING`` bytes, 4 MiB as NCCL's
+    buffSize, remote-writable), the sender a 16-byte *credit word* pair the receiver may write;
+    both publish (va, key, token) through the rendezvous store at setup;
+  * a message travels as records of a 64-byte header (the Tag, the message length, the chunk's
+    offset and length) and a chunk (at most ``CHUNK``, 1 MiB, padded to 64 bytes). A record
+    never wraps: a wrap marker sends the reader back to the start, so every chunk is contiguous;
+  * the sender places the next record at byte ``head`` while the ring has room -- ``head - tail``
+    where ``tail`` is the receiver's last credit -- and fewer than ``RECORDS`` records are
+    outstanding: it WRITEs the chunk, then WRITE_WITH_IMMs the header with imm = DATA; the
+    reliable, in-order path makes the chunk land before the header's completion;
   * the receiver's completion queue reports the imm; it matches the record against its posted
     receive (``Inbox``: FIFO per communicator, tag checks), copies -- or reduces -- the chunk
-    straight out of the landing slot into the destination (one copy on each side, like shm),
-    and returns credits by WRITE_WITH_IMM of its consumed count into the sender's credit word
-    (imm = CREDIT), which wakes a sender that waits for room.
+    straight out of the landing ring into the destination (one copy on each side, like shm),
+    and returns credits by WRITE_WITH_IMM of (tail bytes, records consumed) into the sender's
+    credit words (imm = CREDIT), which also wakes a sender that waits for room.
 
-A record whose receive is not posted stays in its slot (rendezvous: the sender stalls on credits,
-nothing is copied), unless it blocks a receive of another communicator, when ``Inbox`` moves it
-out of the way. Chunks other than a message's last are SLOT_BYTES - 64 bytes, a multiple of 64,
-so they end on an element boundary for reduce.
+A record whose receive is not posted stays in the ring (rendezvous: the sender stalls on
+credits, nothing is copied), unless it blocks a receive of another communicator, when ``Inbox``
+moves it out of the way. Chunks other than a message's last are multiples of 4096 bytes, so they
+end on an element boundary for reduce. (NCCL's Simple protocol cuts its buffer into 8 fixed
+steps; a byte ring keeps mid-size messages from taking a whole step each.)
 
-Subclasses (rdma.py, ub.py) say how a slot and a credit are written with their own verbs
-(``_write_slot``, ``_write_credit``) and drain their completion queue in ``_poll``, calling
+Subclasses (rdma.py, ub.py) say how a record and a credit are written with their own verbs
+(``_write_record``, ``_write_credit``) and drain their completion queue in ``_poll``, calling
 ``_on_arrival`` / ``_on_sent``. Same-node writes complete inside the call (a memcpy into the
 peer's mapped arena); cross-node writes complete when the peer's NIC agent has applied them.
 
@@ -32,6 +35,7 @@ one credit write back; beta = one copy in, one copy (or reduce) out, as the shm 
 """
 from __future__ import annotations
 
+import os
 import struct
 import time
 from collections import deque
@@ -51,12 +55,13 @@ from .nic import (
 )
 from .progress import Inbox, LinkEngine, Progress, Req, deliver
 
-SLOTS = 8
-SLOT_BYTES = 512 << 10
+RING = int(os.environ.get("MINICOMM_LANDING_BYTES", 4 << 20))
+CHUNK = min(1 << 20, RING // 4)
+RECORDS = 64                          # records in flight per pair: bounds events and receives
 HDR = 64
-PAYLOAD = SLOT_BYTES - HDR
+PAGE = 4096
 _HDR = struct.Struct("@8q")
-DATA, CREDIT = 1, 2                   # imm kinds (imm = kind << 32 | slot)
+DATA, CREDIT = 1, 2                   # imm kinds (imm = kind << 32)
 LANDING_QP = 1                        # the channel (QP number / JFR id) of the landing traffic
 _DESC = struct.Struct("<6q")
 
@@ -64,7 +69,8 @@ _DESC = struct.Struct("<6q")
 class _Link:
     """Both directions with one peer."""
     __slots__ = ("peer", "inbox", "txq", "rx_cur", "closed", "r_va", "r_key", "r_token",
-                 "c_va", "c_key", "c_token", "sent", "credit_q", "arrived", "consumed",
+                 "c_va", "c_key", "c_token", "sent", "head", "tail", "credit_q", "arrived",
+                 "consumed",
                  "landing", "landing_region", "credit_region", "mm_off",
                  "qp", "local_node", "tseg", "cseg", "jfs")   # the last five: subclass verbs
 
@@ -74,7 +80,8 @@ class _Link:
         self.txq: deque = deque()
         self.rx_cur = None
         self.closed: Optional[str] = None
-        self.sent = self.arrived = self.consumed = 0
+        self.sent = self.arrived = self.consumed = 0   # records
+        self.head = self.tail = 0                      # bytes of the ring written / consumed
 
 
 class Waiter:
@@ -132,11 +139,11 @@ class LandingEngine(LinkEngine):
     def _setup_landing(self, store, deadline: float) -> None:
         dev, me = self.device, self.rank
         for p, link in self._by_peer.items():
-            link.landing_region = dev.register(SLOTS * SLOT_BYTES, LOCAL_WRITE | REMOTE_WRITE,
+            link.landing_region = dev.register(RING, LOCAL_WRITE | REMOTE_WRITE,
                                                token=self._landing_token())
             link.landing = link.landing_region.buf
             link.mm_off = link.landing_region.offset
-            link.credit_region = dev.register(8, LOCAL_WRITE | REMOTE_WRITE,
+            link.credit_region = dev.register(16, LOCAL_WRITE | REMOTE_WRITE,
                                               token=self._landing_token())
             link.credit_q = dev.arena.q
             lr, cr = link.landing_region, link.credit_region
@@ -155,10 +162,11 @@ class LandingEngine(LinkEngine):
         """Subclass hook: per-peer verbs objects (a QP, an imported segment...)."""
 
     # ----------------------------------------------------------------- subclass hooks
-    def _write_slot(self, link: _Link, slot: int, header: np.ndarray, data: np.ndarray,
-                    wr_id: int) -> Optional[int]:
-        """Write ``data`` to the slot's payload and ``header`` (with imm DATA) to its start.
-        Same node: returns the status. Other node: None; ``_on_sent(wr_id, status)`` follows."""
+    def _write_record(self, link: _Link, pos: int, header: np.ndarray, data: np.ndarray,
+                      wr_id: int) -> Optional[int]:
+        """Write ``data`` at byte ``pos + 64`` of the peer's ring and ``header`` (with imm DATA)
+        at ``pos``. Same node: returns the status. Other node: None; ``_on_sent(wr_id, status)``
+        follows (``wr_id`` 0: no completion wanted)."""
         raise NotImplementedError
 
     def _write_credit(self, link: _Link, value: np.ndarray) -> None:
@@ -245,11 +253,37 @@ class LandingEngine(LinkEngine):
     def _push(self, link: _Link) -> bool:
         q = link.txq
         moved = False
-        credit_i = link.credit_region.offset >> 3
-        while q and link.sent - link.credit_q[credit_i] < SLOTS:
+        cq, ci = link.credit_q, link.credit_region.offset >> 3
+        head = link.head
+        while q:
+            if moved:
+                # Credits are read straight from memory, but each credit also consumed one of
+                # our posted receives (its imm): drain the completion queue, which re-posts
+                # them, before using more -- else a long burst runs our receive queue dry.
+                self._poll()
+            if link.sent - cq[ci + 1] >= RECORDS:
+                break
             req = q[0]
             off, n = req.off, req.nbytes
-            c = min(n - off, PAYLOAD)
+            pos = head % RING
+            contig = RING - pos
+            free = RING - (head - cq[ci])
+            fit = min(free, contig) - HDR
+            want = min(n - off, CHUNK)
+            if fit >= want:
+                c = want
+            elif fit >= PAGE:
+                c = fit - fit % PAGE  # not the last chunk: keep it a whole number of pages
+            elif contig <= free:      # too little room before the end: a wrap marker
+                if self._emit(link, pos, np.array((0, 0, 0, 0, 0, 0, 0, -1), np.int64), None,
+                              0) not in (None, OK):
+                    break
+                head += contig
+                link.head = head
+                moved = True
+                continue
+            else:
+                break                 # the ring is full: the receiver's credit wakes us
             t = req.tag
             header = np.array((t[0], t[1], t[2], t[3], t[4], n, off, c), dtype=np.int64)
             last = off + c == n
@@ -257,13 +291,12 @@ class LandingEngine(LinkEngine):
             if last:
                 wr_id = self._next_wr
                 self._next_wr += 1
-            status = self._write_slot(link, link.sent % SLOTS, header, req.u8[off:off + c],
-                                      wr_id)
-            link.sent += 1
+            status = self._emit(link, pos, header, req.u8[off:off + c], wr_id)
+            head += HDR + ((c + 63) & ~63)
+            link.head = head
             req.off = off + c
             moved = True
             if status is not None and status != OK:
-                link.closed = f"its {self.kind} write failed: {STATUS_TEXT[status]}"
                 break
             if last:
                 q.popleft()
@@ -273,23 +306,38 @@ class LandingEngine(LinkEngine):
                     req.done = True
         return moved
 
+    def _emit(self, link: _Link, pos: int, header, data, wr_id: int):
+        """One record through the subclass; a failure closes the link (returns the status)."""
+        status = self._write_record(link, pos, header, data, wr_id)
+        link.sent += 1
+        if status is not None and status != OK:
+            link.closed = f"its {self.kind} write failed: {STATUS_TEXT[status]}"
+        return status
+
     def _pull(self, link: _Link) -> bool:
         ib = link.inbox
         mm = self.device.arena.mm
         landing = link.landing
         moved = False
+        tail = link.tail
         while link.consumed < link.arrived:
-            base = (link.consumed % SLOTS) * SLOT_BYTES
-            comm, seq, step, call, count, total, off, c = _HDR.unpack_from(mm, link.mm_off + base)
+            pos = tail % RING
+            comm, seq, step, call, count, total, off, c = _HDR.unpack_from(mm, link.mm_off + pos)
+            if c < 0:                 # wrap marker
+                tail += RING - pos
+                link.consumed += 1
+                moved = True
+                continue
             target = link.rx_cur
             if target is None:
                 target = ib.match_header(comm, seq, step, call, count, total)
                 if target is None:
-                    break             # its receive is not posted yet: leave it in the slot
+                    break             # its receive is not posted yet: leave it in the ring
                 link.rx_cur = target
             if c:
-                deliver(target, off, landing[base + HDR:base + HDR + c])
+                deliver(target, off, landing[pos + HDR:pos + HDR + c])
             target.off = off + c
+            tail += HDR + ((c + 63) & ~63)
             link.consumed += 1
             moved = True
             if off + c == total:
@@ -298,8 +346,9 @@ class LandingEngine(LinkEngine):
                     target.done = True
                 else:
                     ib.complete(target)
+        link.tail = tail
         if moved and link.closed is None:
-            self._write_credit(link, np.array([link.consumed], dtype=np.int64))
+            self._write_credit(link, np.array([tail, link.consumed], dtype=np.int64))
         return moved
 
     def sleep(self, flag: bool) -> None:

@@ -169,11 +169,11 @@ class ArenaView:
     def write(self, key, va, bufs, n, token, need=REMOTE_WRITE) -> int:
         status, off, _ = self.check(key, va, n, need, token)
         if status == OK:
-            u8 = self.u8
+            mm = self.arena.mm
             for b in bufs:
                 k = b.nbytes
                 if k:
-                    u8[off:off + k] = b.reshape(-1).view(np.uint8)
+                    mm[off:off + k] = b       # buffer protocol: one memcpy, no numpy views
                     off += k
         return status
 

@@ -31,7 +31,7 @@ process takes no part; between nodes the per-process NIC agent thread of the tar
 no wire protocol, PSN or retransmission; atomics are atomic with respect to other atomics on the
 same region (the NIC's atomic unit), as IBV_ATOMIC_HCA.
 
-Two-sided for the collectives: landing.py (NCCL IB style: landing slots with credits, WRITE then
+Two-sided for the collectives: landing.py (NCCL IB style: a landing ring with credits, WRITE then
 WRITE_WITH_IMM) on QP ``LANDING_QP`` of every peer pair.
 
 Link parameters (``LINK``, illustrative, used by the simulator and by MINICOMM_EMULATE_LINK=1):
@@ -53,7 +53,7 @@ import numpy as np
 
 from minicomm.errors import CommError, RMAError
 from . import nic as _nic
-from .landing import CREDIT, DATA, LANDING_QP, SLOT_BYTES, SLOTS, LandingEngine, _Link
+from .landing import CREDIT, DATA, LANDING_QP, RECORDS, LandingEngine, _Link
 from .nic import LinkParams
 
 ACCESS_LOCAL_WRITE = _nic.LOCAL_WRITE
@@ -166,6 +166,7 @@ class QueuePair:
         self._rq: deque = deque()               # posted receive wr ids
         self._arrived: deque = deque()          # WRITE_WITH_IMMs waiting for a receive (RNR)
         self._epoch = 0                         # bumped by reset: late completions are flushed
+        self.same_node = nic.device.is_local(peer)
 
     def post_recv(self, wr_id: int = 0) -> None:
         with self.nic.transport._lock:
@@ -207,16 +208,16 @@ class QueuePair:
                                               self.qp_num, detail="the QP is in the error state "
                                               "after an earlier error; reset() it"))
             return _nic.FLUSHED
-        with self._lock:
-            if self.outstanding >= self.max_send_wr:
-                raise CommError(f"rdma QP {self.qp_num} to rank {self.peer}: send queue full "
-                                f"({self.max_send_wr} outstanding work requests)")
-            self.outstanding += 1
         src, dst, nbytes = (), None, 0
-        if op in (_nic.OP_WRITE, _nic.OP_WRITE_IMM):
-            src = local if isinstance(local, (list, tuple)) else (() if local is None else (local,))
-            src = tuple(np.ascontiguousarray(s) for s in src)
-            nbytes = sum(s.nbytes for s in src)
+        if op == _nic.OP_WRITE or op == _nic.OP_WRITE_IMM:
+            if local is None:
+                pass
+            elif local.__class__ is np.ndarray:
+                src = (local if local.flags.c_contiguous else np.ascontiguousarray(local),)
+                nbytes = local.nbytes
+            else:
+                src = tuple(np.ascontiguousarray(s) for s in local)
+                nbytes = sum(s.nbytes for s in src)
         elif op == _nic.OP_READ:
             if local is None or not local.flags.c_contiguous:
                 raise ValueError("RDMA_READ needs a contiguous local array to read into")
@@ -225,8 +226,27 @@ class QueuePair:
             dst, nbytes = local, 8
             if local is not None and local.nbytes < 8:
                 raise ValueError("an atomic's local buffer needs 8 bytes")
-        epoch = self._epoch
         dev = self.nic.device
+        if self.same_node:
+            # executed now by this process's simulated NIC: no completion to wait for
+            view = dev._views.get(self.peer)
+            if view is None:
+                status, result = _nic.PEER_DEAD, dev.closed_peers.get(self.peer, "closed")
+            else:
+                if dev.emulate:
+                    dev._delay(nbytes)
+                status, result = dev._local(self.peer, view, op, rkey, remote_addr, nbytes, None,
+                                            src, dst if op == _nic.OP_READ else None,
+                                            compare_add, swap, self.qp_num, imm)
+            if status != _nic.OK or signaled or op in (_nic.OP_FADD, _nic.OP_CAS):
+                self._finish(wr_id, opcode, op, nbytes, status, result, dst, signaled)
+            return status
+        with self._lock:
+            if self.outstanding >= self.max_send_wr:
+                raise CommError(f"rdma QP {self.qp_num} to rank {self.peer}: send queue full "
+                                f"({self.max_send_wr} outstanding work requests)")
+            self.outstanding += 1
+        epoch = self._epoch
 
         def done(status, result, epoch=epoch):
             self._complete(wr_id, opcode, op, nbytes, status, result, dst, signaled, epoch)
@@ -242,24 +262,28 @@ class QueuePair:
             self.outstanding -= 1
             if epoch != self._epoch:
                 status = _nic.FLUSHED
-            value = None
-            if status == _nic.OK and op in (_nic.OP_FADD, _nic.OP_CAS):
-                value = int(result)
-                if dst is not None:
-                    dst.reshape(-1).view(np.int64)[0] = value
-            name = _STATUS[status]
-            if status != _nic.OK:
-                detail = _nic.STATUS_TEXT[status]
-                if status == _nic.PEER_DEAD and isinstance(result, str):
-                    detail += f" ({result})"
-                wc = WorkCompletion(wr_id, name, opcode, 0, 0, self.peer, self.qp_num,
-                                    None, detail)
-                if self.state == "RTS":
-                    self.state, self.error = "ERR", wc
-                self.send_cq._push(wc)
-            elif signaled:
-                self.send_cq._push(WorkCompletion(wr_id, name, opcode, nbytes, 0, self.peer,
-                                                  self.qp_num, value))
+            self._finish(wr_id, opcode, op, nbytes, status, result, dst, signaled)
+
+    def _finish(self, wr_id, opcode, op, nbytes, status, result, dst, signaled):
+        """The work completion of a finished request (an error one always)."""
+        value = None
+        if status == _nic.OK and op in (_nic.OP_FADD, _nic.OP_CAS):
+            value = int(result)
+            if dst is not None:
+                dst.reshape(-1).view(np.int64)[0] = value
+        name = _STATUS[status]
+        if status != _nic.OK:
+            detail = _nic.STATUS_TEXT[status]
+            if status == _nic.PEER_DEAD and isinstance(result, str):
+                detail += f" ({result})"
+            wc = WorkCompletion(wr_id, name, opcode, 0, 0, self.peer, self.qp_num,
+                                None, detail)
+            if self.state == "RTS":
+                self.state, self.error = "ERR", wc
+            self.send_cq._push(wc)
+        elif signaled:
+            self.send_cq._push(WorkCompletion(wr_id, name, opcode, nbytes, 0, self.peer,
+                                              self.qp_num, value))
 
     def reset(self) -> None:
         """ERR -> RESET -> INIT -> RTR -> RTS: usable again; completions of work requests still
@@ -338,20 +362,20 @@ class RdmaTransport(LandingEngine):
     def _connect_peer(self, link: _Link, store, deadline: float) -> None:
         link.qp = self.nic.create_qp(link.peer, LANDING_QP, self._cq)
         link.local_node = self.device.is_local(link.peer)
-        for _ in range(4 * SLOTS):
+        for _ in range(4 * RECORDS):
             link.qp._post_recv(0)
 
-    def _write_slot(self, link, slot, header, data, wr_id):
+    def _write_record(self, link, pos, header, data, wr_id):
         qp = link.qp
-        va = link.r_va + slot * SLOT_BYTES
+        va = link.r_va + pos
         remote = not link.local_node
-        if data.nbytes:
+        if data is not None and data.nbytes:
             status = qp._post(WR_RDMA_WRITE, local=data, remote_addr=va + 64, rkey=link.r_key,
                               signaled=False)
             if status not in (None, _nic.OK):
                 return status
         return qp._post(WR_RDMA_WRITE_WITH_IMM, wr_id=wr_id, local=header, remote_addr=va,
-                        rkey=link.r_key, imm=DATA << 32 | slot, signaled=remote and wr_id != 0)
+                        rkey=link.r_key, imm=DATA << 32, signaled=remote and wr_id != 0)
 
     def _write_credit(self, link, value):
         link.qp._post(WR_RDMA_WRITE_WITH_IMM, local=value, remote_addr=link.c_va,

@@ -66,7 +66,7 @@ import numpy as np
 
 from minicomm.errors import CommError, RMAError
 from . import nic as _nic
-from .landing import CREDIT, DATA, SLOT_BYTES, SLOTS, LandingEngine, _Link
+from .landing import CREDIT, DATA, RECORDS, RING, LandingEngine, _Link
 from .nic import LinkParams
 
 ACCESS_READ = _nic.REMOTE_READ
@@ -150,6 +150,8 @@ class Segment:
 
 
 def _flat_u8(a: np.ndarray) -> np.ndarray:
+    if a.__class__ is np.ndarray and a.ndim == 1 and a.dtype == np.uint8 and a.flags.c_contiguous:
+        return a
     a = np.ascontiguousarray(a)
     return a.reshape(-1).view(np.uint8)
 
@@ -305,8 +307,8 @@ class Jfs:
             self._post(wrs)
 
     def _post(self, wrs) -> None:
-        if isinstance(wrs, JfsWr):
-            wrs = [wrs]
+        if wrs.__class__ is JfsWr:
+            wrs = (wrs,)
         if self.state != "READY":
             raise RMAError(f"ub JFS {self.id} is in the ERROR state after a failed request "
                            f"({self.error.status}: {self.error.detail}); flush() it first")
@@ -359,34 +361,47 @@ class Jfs:
             if wr.notify is None:
                 raise ValueError("WRITE_IMM needs notify=, the TargetJfr of the receive record")
             a, b, channel = wr.notify.token, wr.notify.id, wr.notify.id
+        dev = self.ep.device
+        view = dev._views.get(t.peer)
+        if view is not None:          # same node: executed now, nothing stays outstanding
+            if dev.emulate:
+                dev._delay(nbytes)
+            status, result = dev._local(t.peer, view, op, key, va, nbytes, token, src, dst, a, b,
+                                        channel, wr.imm)
+            if status != _nic.OK or wr.complete:
+                self._record(wr, nbytes, status, result)
+            return
         self._seq += 1
         seq = self._seq
         self._outstanding[seq] = (t.peer, wr.opcode)
 
         def done(status, result):
             self._complete(seq, wr, nbytes, status, result)
-        res = self.ep.device.post(t.peer, op, key, va, nbytes, token, src, dst, a, b,
-                                  channel, wr.imm, done)
+        res = dev.post(t.peer, op, key, va, nbytes, token, src, dst, a, b, channel, wr.imm, done)
         if res is not None:
             done(*res)
 
     def _complete(self, seq, wr, nbytes, status, result) -> None:
         with self._lock:
             self._outstanding.pop(seq, None)
-            peer = wr.target.peer
-            if status == _nic.OK:
-                if wr.complete:
-                    self.jfc._push(CompletionRecord(wr.user_ctx, CR_SUCCESS, wr.opcode, nbytes,
-                                                    0, peer, self.id))
-                return
-            detail = _nic.STATUS_TEXT[status]
-            if isinstance(result, str):
-                detail += f" ({result})"
-            cr = CompletionRecord(wr.user_ctx, _STATUS[status], wr.opcode, 0, 0, peer, self.id,
-                                  0, detail)
-            if self.state == "READY":
-                self.state, self.error = "ERROR", cr
-            self.jfc._push(cr)
+            self._record(wr, nbytes, status, result)
+
+    def _record(self, wr, nbytes, status, result) -> None:
+        """The completion record of a finished request (always one for an error)."""
+        peer = wr.target.peer
+        if status == _nic.OK:
+            if wr.complete:
+                self.jfc._push(CompletionRecord(wr.user_ctx, CR_SUCCESS, wr.opcode, nbytes, 0,
+                                                peer, self.id))
+            return
+        detail = _nic.STATUS_TEXT[status]
+        if isinstance(result, str):
+            detail += f" ({result})"
+        cr = CompletionRecord(wr.user_ctx, _STATUS[status], wr.opcode, 0, 0, peer, self.id, 0,
+                              detail)
+        if self.state == "READY":
+            self.state, self.error = "ERROR", cr
+        self.jfc._push(cr)
 
     def _flush_wr(self, wr: JfsWr) -> None:
         self._flushed.append(CompletionRecord(wr.user_ctx, CR_WR_FLUSH_ERR, wr.opcode, 0, 0,
@@ -404,9 +419,11 @@ class Jfs:
             return out
 
 
-def _placement(wrs: Sequence[JfsWr]) -> List[JfsWr]:
+def _placement(wrs: Sequence[JfsWr]) -> Sequence[JfsWr]:
     """The order the simulator places a batch in: each run of unordered, unfenced requests
     reversed (module doc); every ordered or fenced request stays after what came before it."""
+    if len(wrs) == 1:
+        return wrs
     out: List[JfsWr] = []
     run: List[JfsWr] = []
     for wr in wrs:
@@ -529,7 +546,7 @@ class UbTransport(LandingEngine):
         eids = {r: (0xFD00 << 112) | (h << 32) | r for r in range(self.size)}
         self.ub = UbEndpoint(self, eids)
         self._jfc = self.ub.create_jfc()
-        depth = 4 * SLOTS * max(1, len(self.peer_ranks))
+        depth = 4 * RECORDS * max(1, len(self.peer_ranks))
         self._jfr = self.ub.create_jfr(self._jfc, depth=depth, buf_bytes=0,
                                        token=self._landing_token())
         for _ in range(depth):
@@ -547,20 +564,20 @@ class UbTransport(LandingEngine):
         link.qp = ep.import_jfr(info, struct.unpack("<q", raw[_INFO.size:])[0])
         eid = ep.eid_of(link.peer)
         # importing checks our copy of the token with the owner (one round trip across nodes)
-        link.tseg = ep.import_segment(SegmentInfo(eid, link.r_va, SLOTS * SLOT_BYTES, link.r_key,
+        link.tseg = ep.import_segment(SegmentInfo(eid, link.r_va, RING, link.r_key,
                                                   ACCESS_WRITE), link.r_token)
-        link.cseg = ep.import_segment(SegmentInfo(eid, link.c_va, 8, link.c_key, ACCESS_WRITE),
+        link.cseg = ep.import_segment(SegmentInfo(eid, link.c_va, 16, link.c_key, ACCESS_WRITE),
                                       link.c_token)
         link.local_node = self.device.is_local(link.peer)
         link.jfs = ep.create_jfs(self._jfc)
 
-    def _write_slot(self, link, slot, header, data, wr_id):
-        va = link.r_va + slot * SLOT_BYTES
+    def _write_record(self, link, pos, header, data, wr_id):
+        va = link.r_va + pos
         remote = not link.local_node
         wrs = []
-        if data.nbytes:
+        if data is not None and data.nbytes:
             wrs.append(JfsWr(OPC_WRITE, link.tseg, data, va + 64, complete=False))
-        wrs.append(JfsWr(OPC_WRITE_IMM, link.tseg, header, va, imm=DATA << 32 | slot,
+        wrs.append(JfsWr(OPC_WRITE_IMM, link.tseg, header, va, imm=DATA << 32,
                          order=ORDER_STRONG, complete=remote and wr_id != 0, user_ctx=wr_id,
                          notify=link.qp))
         jfs = link.jfs
