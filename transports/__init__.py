@@ -11,9 +11,15 @@ clear error. A rank that needs more than one kind gets a
 progresses all of them in one loop over one shared epoll set (progress.py), so a hierarchical
 algorithm's intra-node and inter-node messages move at the same time.
 
-Adding a transport (inproc, rdma, ub): give it a builder in ``_BUILDERS`` and, to take part in
-``"auto"``, a reachability rule in ``_AUTO_ORDER``; to be routed with others it implements the
-engine interface of progress.py (``progress()``, ``check(req, what)``) on a shared ``Progress``.
+The one-sided transports ``rdma`` and ``ub`` (simulated NICs, nic.py) are forced, never auto:
+they share memory with the peers of their own node and host (``local``) and reach the others
+through a per-process NIC agent thread; their two-sided messages for the collectives ride on
+one-sided writes (landing.py). ``rma_backend`` gives windows (minicomm.window) the one-sided
+interface of a transport: rdma and ub themselves, shm through shmrma.py.
+
+Adding a transport: give it a builder in ``_BUILDERS`` and, to take part in ``"auto"``, a
+reachability rule in ``_AUTO_ORDER``; to be routed with others it implements the engine
+interface of progress.py (``progress()``, ``check(req, what)``) on a shared ``Progress``.
 """
 from __future__ import annotations
 
