@@ -28,6 +28,12 @@ def _watch_parent(stream) -> None:
     """The parent holds our stdin open for the whole job: EOF means it died. Leave at once."""
     while stream.read(4096):
         pass
+    try:                      # os._exit skips atexit: unlink our segments ourselves
+        from minicomm.transports import segment, shm
+        shm._unlink_at_exit()
+        segment._unlink_at_exit()         # rdma / ub arenas and shm windows
+    except Exception:
+        pass
     os._exit(70)
 
 
@@ -45,6 +51,7 @@ def main() -> int:
     threading.Thread(target=_watch_parent, args=(stdin,), daemon=True).start()
     out_fd = cfg["result_fd"]
     comm = None
+    code = 1
     try:
         fn, args = cloudpickle.loads(blob)
         from minicomm.launch.world import connect_world
@@ -59,6 +66,10 @@ def main() -> int:
     finally:
         if comm is not None:
             try:
+                if code != 0:
+                    # a failing rank is not a finished one: peers must see a failure (abort),
+                    # not the orderly goodbye that close() sends
+                    comm.transport.abort(record[1][1])
                 comm.close()
             except Exception:
                 pass

@@ -460,10 +460,11 @@ def rank_main(comm, cfg: BenchConfig, transports: List[str], mpi_comm=None):
     return _collectives_main(comm, cfg, transports)
 
 
-def main_from_cli(a) -> int:
-    from . import bench as _bench
+def main_from_cli(a, config_from_args) -> int:
+    """``minicomm bench`` hands over its arguments and its parser of them (bench imports this
+    module, never the other way round)."""
     try:
-        cfg = _bench.config_from_args(a)
+        cfg = config_from_args(a)
         transports = [t.strip() for t in (a.transports or ",".join(_ONE_SIDED_TRANSPORTS))
                       .split(",") if t.strip()]
         bad = [t for t in transports if t not in ("shm", "tcp", "rdma", "ub")]
