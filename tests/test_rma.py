@@ -619,3 +619,40 @@ def test_emulated_link_delay_keeps_results(monkeypatch):
         return out
     for kind in ("rdma", "ub"):
         assert mc.spawn(fn, 2, transport=kind, nodes=2, timeout=60) == [(2, 2.0, True, True)] * 2
+
+
+# ------------------------------------------------------------------------------ the benchmark
+def _bench(tmp_path, *args):
+    import json
+    path = tmp_path / "rows.json"
+    out = subprocess.run([sys.executable, "-m", "minicomm.cli", "bench", *args, "--batches", "1",
+                          "--batch-time", "0.002", "--warmup", "2", "--json", str(path)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(path.read_text())["rows"]
+
+
+def test_one_sided_benchmark_checks_every_library(tmp_path):
+    rows = _bench(tmp_path, "put,get,accumulate,fetch_and_op,cas", "--sizes", "8,4K")
+    assert {r["library"] for r in rows} == {"mc shm", "mc rdma", "mc ub"}
+    assert {r["op"] for r in rows} == {"put", "get", "accumulate", "fetch_and_op", "cas"}
+    assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows)
+
+
+def test_one_sided_benchmark_with_mpich_side_by_side(tmp_path):
+    from extras import require
+
+    from minicomm.tools.benchspec import mpi_available
+    require(mpi_available())
+    rows = _bench(tmp_path, "put,fetch_and_op", "--sizes", "1K", "--peers", "mpi")
+    libs = {r["library"] for r in rows}
+    assert {"mpi Win.Allocate", "mpi Win.Create", "mc shm"} <= libs
+    assert all(r["wrong"] == 0 for r in rows)
+    assert all(r["vs_mpi"] is not None for r in rows if r["library"].startswith("mc"))
+
+
+def test_collectives_across_transports_in_one_run(tmp_path):
+    rows = _bench(tmp_path, "allreduce,alltoall", "--sizes", "64K", "--transports", "shm,rdma,ub")
+    assert [(r["op"], r["library"]) for r in rows] == [
+        (c, f"mc {k}") for c in ("allreduce", "alltoall") for k in ("shm", "rdma", "ub")]
+    assert all(r["vs_first"] > 0 for r in rows)
