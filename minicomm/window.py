@@ -275,6 +275,22 @@ class Window:
         return self._rmw(t, ch, boff, src, op, True)[0]
 
     def compare_and_swap(self, value, compare, target: int, offset: int = 0):
+        # the hot case, as fetch_and_op's: an integer shm target, Python ints, an open epoch
+        if type(target) is int and 0 <= target < self.size and type(value) is int \
+                and type(compare) is int and self.dtype.kind in "iu" \
+                and (self._fence or target in self._locks) and type(offset) is int \
+                and 0 <= offset < self._counts[target]:
+            words = self._words[target]
+            if words is not None:
+                m = self._channels[target].mutex
+                m.acquire()
+                try:
+                    old = words[offset]
+                    if old == compare:
+                        words[offset] = value
+                finally:
+                    m.release()
+                return self._scalar(old)
         t, ch = self._begin(target, "compare_and_swap")
         if self.dtype.kind not in "biu":
             raise TypeError(f"win.compare_and_swap needs an integer or bool window (as MPI), "
