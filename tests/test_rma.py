@@ -641,7 +641,6 @@ def test_one_sided_benchmark_checks_every_library(tmp_path):
 
 def test_one_sided_benchmark_with_mpich_side_by_side(tmp_path):
     from extras import require
-
     from minicomm.tools.benchspec import mpi_available
     require(mpi_available())
     rows = _bench(tmp_path, "put,fetch_and_op", "--sizes", "1K", "--peers", "mpi")
@@ -656,3 +655,55 @@ def test_collectives_across_transports_in_one_run(tmp_path):
     assert [(r["op"], r["library"]) for r in rows] == [
         (c, f"mc {k}") for c in ("allreduce", "alltoall") for k in ("shm", "rdma", "ub")]
     assert all(r["vs_first"] > 0 for r in rows)
+
+
+# --------------------------------------------------------------- the transport contract, p2p
+def _p2p_contract(comm):
+    out = {}
+    comm.send(np.arange(4) + comm.rank, comm.rank, tag=8)                 # to self
+    out["self"] = comm.recv(mc.ANY_SOURCE, tag=8).tolist()
+    if comm.rank == 0:
+        comm.send(np.arange(3 << 20, dtype=np.float32), 1, tag=2)         # 12 MiB, streamed
+        comm.send(np.array([1, 2, 3]), 1, tag=1)
+    elif comm.rank == 1:
+        small = comm.recv(0, tag=1)                                       # behind the big one
+        big = comm.recv(mc.ANY_SOURCE, tag=2)
+        out["p2p"] = (small.tolist(), bool(np.array_equal(big, np.arange(3 << 20,
+                                                                          dtype=np.float32))))
+    sub = comm.split(comm.rank % 2)
+    try:
+        sub.allreduce(np.ones(100, dtype=np.float32 if comm.rank < 2 else np.int32))
+        out["mismatch"] = "no error"
+    except mc.MismatchError:
+        out["mismatch"] = "mismatch"
+    out["world"] = comm.allreduce(np.full(2, comm.rank + 1.0)).tolist()
+    w = comm.allreduce(np.ones(1 << 16), async_op=True)                   # from the worker thread
+    out["async"] = float(w.wait(60)[0])
+    # a peer that leaves: ANY_SOURCE skips it (or reports it once, with .peer), and goes on
+    # with the living
+    if comm.rank == 3:
+        comm.close()
+        return out
+    if comm.rank == 1:
+        for i in range(3):
+            comm.send(np.array([i]), 0, tag=5)
+    if comm.rank == 0:
+        got, failed = [], []
+        while len(got) < 3:
+            try:
+                got.append(int(comm.recv(mc.ANY_SOURCE, tag=5, timeout=60)[0]))
+            except mc.PeerFailure as e:
+                failed.append(e.peer)
+        out["survive"] = (got, failed)
+    return out
+
+
+@pytest.mark.parametrize("kind,nodes", [("rdma", 1), ("rdma", 2), ("ub", 1), ("ub", 2)])
+def test_transport_contract_over_one_sided_transports(kind, nodes):
+    res = mc.spawn(_p2p_contract, 4, transport=kind, nodes=nodes, timeout=120)
+    assert [r["self"] for r in res] == [[r, r + 1, r + 2, r + 3] for r in range(4)]
+    assert res[1]["p2p"] == ([1, 2, 3], True)
+    assert [r["mismatch"] for r in res] == ["mismatch"] * 4
+    assert all(r["world"] == [10.0, 10.0] and r["async"] == 4.0 for r in res)
+    got, failed = res[0]["survive"]
+    assert got == [0, 1, 2] and failed in ([], [3])
