@@ -443,8 +443,14 @@ class _RdmaChannel:
             wcs = self.cq.wait(self.timeout, 1, peer=self.peer)
         wc = wcs[0]
         if not wc.ok:
+            # reset the QP, let what is still in flight finish (reported flushed) and drop
+            # those completions, so the next operation starts from an empty CQ
             self.qp.reset()
             self._posted.clear()
+            qp = self.qp
+            self.t.wait_for(lambda: qp.outstanding == 0, self.peer, "rdma window",
+                            "in-flight requests", self.timeout)
+            self.cq.poll(1 << 30)
             raise _error(what, wc, self.peer)
         return wc
 
