@@ -1,4 +1,4 @@
-"""The ``minicomm`` command: verify | run | bench (later: sim, demo)."""
+"""The ``minicomm`` command: verify | run | bench | sim (later: demo)."""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +40,11 @@ def _cmd_bench(a) -> int:
     return main_from_cli(a)
 
 
+def _cmd_sim(a) -> int:
+    from .sim.cli import main
+    return main(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minicomm", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -72,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(b)
     b.set_defaults(func=_cmd_bench)
+
+    from .sim import cli as sim_cli
+    s = sub.add_parser("sim", help="predict collectives and the parameter server on a modelled "
+                       "cluster", description=sim_cli.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim_cli.add_arguments(s)
+    s.set_defaults(func=_cmd_sim)
     return p
 
 
