@@ -8,11 +8,12 @@ GB/s = 1e9 B/s, busbw = algbw x ``busbw_factor``), the busiest link.
 Timing rules (what a step costs), per rank, steps in order:
   - a step starts when the rank's previous step ended; its local ops take δ per copied byte and
     γ per reduced byte (``Copy`` / ``Reduce``), T + L;
-  - then each of its sends becomes a *message*: after the route's latency α (topology.py) it is a
-    flow of its bytes over the links of its route; every link's bandwidth is shared max-min
-    fairly (progressive filling) among the flows crossing it at the moment, recomputed whenever a
-    flow starts or ends. Sends are eager (the receiver's buffer is there: a message can arrive
-    before its receiver reached the step that receives it);
+  - then its receives are posted and its sends issued. A message moves once both its send is
+    issued and its receive posted (rendezvous, as NCCL's credits and MPI's large-message protocol
+    do; ``Topology.rendezvous=False``: eager, as soon as it is sent): after the route's latency α
+    (topology.py) it is a flow of its bytes over the links of its route; every link's bandwidth
+    is shared max-min fairly (progressive filling) among the flows crossing it at the moment,
+    recomputed whenever a flow starts or ends;
   - a send completes when its message is delivered; a receive when its message is delivered, a
     reducing one γ per byte later (``reduce_overlap``: the reduction runs while the data arrives,
     so it ends at max(delivery, arrival start + γ·bytes), and never before T + L + γ·bytes);
@@ -441,6 +442,14 @@ def run_program(prog: Program, topo: Topology, placement: np.ndarray, itemsize: 
     alive = int((cur < last).sum())
     delivered = np.full(M, math.inf)
     arrival_start = np.full(M, math.inf)
+    # rendezvous: a message moves once its sender has sent and its receiver has posted the
+    # receive (the receiver's buffer, or NCCL's credits, are there); eager: once it is sent
+    rendezvous = topo.rendezvous
+    send_ready = np.full(M, math.nan)
+    recv_ready = np.full(M, math.nan) if rendezvous else np.zeros(M)
+    by_recv = np.argsort(recv_step, kind="stable")
+    rptr = np.zeros(S + 1, dtype=np.int64)
+    np.cumsum(np.bincount(recv_step, minlength=S), out=rptr[1:])
     link_bytes = np.zeros(nl + 1)
     # pending flows (latency not over yet) and active flows (sharing links); an active flow's
     # bytes left are valid at t_ref, the last time the rates changed
@@ -489,12 +498,25 @@ def run_program(prog: Program, topo: Topology, placement: np.ndarray, itemsize: 
             t0 = next_start[due]
             next_start[due] = math.inf
             start[s] = t0
+            posted = t0 + local[s]
             cnt = ptr[s + 1] - ptr[s]
+            go_ids = []
             if cnt.any():
                 ids = _ranges(ptr[s], cnt)
-                pend_id = np.concatenate((pend_id, ids))
-                pend_t = np.concatenate((pend_t, np.repeat(t0 + local[s], cnt)
-                                         + pair_lat[msg_pair[ids]]))
+                send_ready[ids] = np.repeat(posted, cnt)
+                go_ids.append(ids if not rendezvous else ids[~np.isnan(recv_ready[ids])])
+            if rendezvous:
+                rcnt = rptr[s + 1] - rptr[s]
+                if rcnt.any():
+                    rids = by_recv[_ranges(rptr[s], rcnt)]
+                    recv_ready[rids] = np.repeat(posted, rcnt)
+                    go_ids.append(rids[~np.isnan(send_ready[rids])])
+            for ids in go_ids:
+                if ids.size:
+                    pend_id = np.concatenate((pend_id, ids))
+                    pend_t = np.concatenate((pend_t, np.maximum(send_ready[ids], recv_ready[ids])
+                                             + pair_lat[msg_pair[ids]] if rendezvous else
+                                             send_ready[ids] + pair_lat[msg_pair[ids]]))
             ready = s[remaining[s] == 0]
             if ready.size:
                 complete(ready)

@@ -28,6 +28,8 @@ What is modelled
 - latency: a message pays the latency of its first link class (``intra_link.latency`` inside a
   server; ``nic_link.latency`` between servers) plus ``switch_latency`` per switch it crosses in
   the network (1, 3 or 5). That sum is the α of the message.
+- protocol: ``rendezvous`` (default) — a message moves once its receiver has posted the receive
+  (NCCL's credits, MPI's large-message protocol); False: eager, as soon as it is sent.
 - compute: ``gamma`` s per reduced byte, ``delta`` s per copied byte on an accelerator;
   ``reduce_overlap``: a reducing receive's reduction runs while its data arrives (GPU kernels, as
   NCCL does) instead of after it.
@@ -92,6 +94,7 @@ class Topology:
     gamma: float = 0.0
     delta: float = 0.0
     reduce_overlap: bool = False
+    rendezvous: bool = True
     description: str = ""
     sources: Tuple[str, ...] = field(default=(), compare=False)
 
@@ -413,7 +416,9 @@ def topology_from_dict(d: Mapping[str, Any], links: Mapping[str, LinkSpec],
     if "rails" in nic:
         kw["rails"] = bool(nic["rails"])
     net = section("network", {"tiers", "servers_per_leaf", "leaves_per_pod", "oversubscription",
-                              "core_oversubscription", "switch_latency_us"})
+                              "core_oversubscription", "switch_latency_us", "rendezvous"})
+    if "rendezvous" in net:
+        kw["rendezvous"] = bool(net["rendezvous"])
     for k in ("tiers", "servers_per_leaf", "leaves_per_pod"):
         if k in net:
             kw[k] = net[k]
