@@ -111,6 +111,8 @@ class Program:
     msg_send_step: np.ndarray     # (M,) global step ids
     msg_recv_step: np.ndarray
     send_ptr: np.ndarray          # (S+1,) CSR: messages sent by step s
+    recv_order: np.ndarray = None  # (M,) message ids in receive-op order (by step, op order)
+    recv_ptr: np.ndarray = None    # (S+1,) CSR into recv_order: messages received by step s
     derived_by: str = "built"     # "built" | "rotation" | "xor"
     build_s: float = 0.0
 
@@ -211,19 +213,26 @@ def _program(p, first, copy, red, s_rank, s_peer, s_step, s_count, r_rank, r_pee
         k = int(ks[i])
         raise ScheduleError(f"rank {k // p} -> rank {k % p}: a send of {int(sc[i])} elements "
                             f"matched with a receive of {int(rc[i])}")
-    send_step = s_step[os_]
-    by_step = np.argsort(send_step, kind="stable")
-    o_s, o_r = os_[by_step], or_[by_step]
-    send_step = send_step[by_step]
+    # messages in the order of their sends (by step, then op order within a step); receives
+    # keep their op order too (``recv_order``)
+    pos = np.empty(len(os_), dtype=np.int64)
+    pos[os_] = np.arange(len(os_))
+    o_r = or_[pos]                                   # the receive matched to send i
+    msg_of_recv = np.empty(len(or_), dtype=np.int64)
+    msg_of_recv[o_r] = np.arange(len(o_r))          # message id of every receive op
+    send_step = s_step.astype(np.int64)
     ptr = np.zeros(S + 1, dtype=np.int64)
     np.cumsum(np.bincount(send_step, minlength=S), out=ptr[1:])
+    rptr = np.zeros(S + 1, dtype=np.int64)
+    np.cumsum(np.bincount(r_step, minlength=S), out=rptr[1:])
     return Program(size=p, rank_first=first,
                    step_rank=np.repeat(np.arange(p, dtype=np.int64), np.diff(first)),
                    step_copy=copy.astype(np.float64), step_reduce=red.astype(np.float64),
-                   msg_src=s_rank[o_s].astype(np.int64), msg_dst=s_peer[o_s].astype(np.int64),
-                   msg_count=s_count[o_s].astype(np.float64),
+                   msg_src=s_rank.astype(np.int64), msg_dst=s_peer.astype(np.int64),
+                   msg_count=s_count.astype(np.float64),
                    msg_reduce=r_reduce[o_r].astype(bool), msg_send_step=send_step,
-                   msg_recv_step=r_step[o_r].astype(np.int64), send_ptr=ptr)
+                   msg_recv_step=r_step[o_r].astype(np.int64), send_ptr=ptr,
+                   recv_order=msg_of_recv, recv_ptr=rptr)
 
 
 def compile_schedules(scheds: Sequence[Any]) -> Program:
@@ -447,9 +456,7 @@ def run_program(prog: Program, topo: Topology, placement: np.ndarray, itemsize: 
     rendezvous = topo.rendezvous
     send_ready = np.full(M, math.nan)
     recv_ready = np.full(M, math.nan) if rendezvous else np.zeros(M)
-    by_recv = np.argsort(recv_step, kind="stable")
-    rptr = np.zeros(S + 1, dtype=np.int64)
-    np.cumsum(np.bincount(recv_step, minlength=S), out=rptr[1:])
+    by_recv, rptr = prog.recv_order, prog.recv_ptr
     link_bytes = np.zeros(nl + 1)
     # pending flows (latency not over yet) and active flows (sharing links); an active flow's
     # bytes left are valid at t_ref, the last time the rates changed
