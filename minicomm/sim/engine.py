@@ -243,43 +243,56 @@ def compile_schedules(scheds: Sequence[Any]) -> Program:
     return _assemble(ranks, p)
 
 
-def _symmetric_samples(p: int) -> List[int]:
-    picks = {1, 2, 3, p // 2, p // 2 + 1, p - 2, p - 1, (p * 5) // 7, (p * 3) // 11 + 1}
-    return sorted(r for r in picks if 0 < r < p)
+def _symmetric_samples(m: int) -> List[int]:
+    picks = {1, 2, 3, m // 2, m // 2 + 1, m - 2, m - 1, (m * 5) // 7, (m * 3) // 11 + 1}
+    return sorted(k for k in picks if 0 < k < m)
 
 
-def _try_symmetry(build, p: int) -> Optional[Program]:
-    """Rank 0's schedule and the rotation / XOR map, when a spread sample of real schedules
-    confirms the map exactly; None otherwise."""
-    a0 = _rank_arrays(build(0).steps, p, 0)
-    maps = [("rotation", lambda r: (lambda x: (x + r) % p))]
-    if p & (p - 1) == 0:
-        maps.append(("xor", lambda r: (lambda x: x ^ r)))
-    samples = {r: _rank_arrays(build(r).steps, p, r) for r in _symmetric_samples(p)}
-    for name, mk in maps:
-        if all(a0.mapped(mk(r)).same_as(a) for r, a in samples.items()):
-            prog = _tile(a0, p, name)
-            prog.derived_by = name
-            return prog
+def _block_maps(m: int, b: int):
+    """Symmetries of blocks of b consecutive ranks (b = 1: ranks; b = g: servers): block index
+    rotated (k + j mod m) or, for m a power of two, XORed (k ^ j); the place inside a block kept."""
+    out = [("rotation", lambda j: (lambda x: ((x // b + j) % m) * b + x % b))]
+    if m & (m - 1) == 0:
+        out.append(("xor", lambda j: (lambda x: ((x // b) ^ j) * b + x % b)))
+    return out
+
+
+def _equal_blocks(node_map: Tuple[int, ...]) -> int:
+    """g when the node map is servers of g consecutive ranks each (all equal), else 0."""
+    p = len(node_map)
+    g = node_map.count(node_map[0])
+    if not 1 < g < p or p % g:
+        return 0
+    for r in range(p):
+        if node_map[r] != node_map[r - r % g] or (r % g == 0 and r and node_map[r] == node_map[r - 1]):
+            return 0
+    return g
+
+
+def _try_symmetry(build, p: int, node_map: Tuple[int, ...]) -> Optional[Program]:
+    """A program derived from the real schedules of the first block by a symmetry (rank-level,
+    or server-level when servers are equal blocks of consecutive ranks), when the real schedules
+    of a spread sample of blocks are exactly what the symmetry predicts; None otherwise."""
+    g = _equal_blocks(node_map)
+    blocks = [1] + ([g] if g else [])
+    built: Dict[int, _RankArrays] = {}
+
+    def arrays(r: int) -> _RankArrays:
+        if r not in built:
+            built[r] = _rank_arrays(build(r).steps, p, r)
+        return built[r]
+
+    for b in blocks:
+        m = p // b
+        for name, mk in _block_maps(m, b):
+            if all(arrays(i).mapped(mk(j)).same_as(arrays(j * b + i))
+                   for j in _symmetric_samples(m) for i in range(b)):
+                ranks = [arrays(r) if r < b else arrays(r % b).mapped(mk(r // b))
+                         for r in range(p)]
+                prog = _assemble(ranks, p)
+                prog.derived_by = name if b == 1 else f"server {name}"
+                return prog
     return None
-
-
-def _tile(a0: _RankArrays, p: int, how: str) -> Program:
-    """Every rank's arrays from rank 0's under the symmetry ``how`` (vectorised)."""
-    n = a0.nsteps
-    first = np.arange(p + 1, dtype=np.int64) * n
-    r = np.arange(p, dtype=np.int64)[:, None]
-
-    def peers(x):
-        return ((x[None, :] + r) % p if how == "rotation" else x[None, :] ^ r).ravel()
-
-    ns, nr = len(a0.s_step), len(a0.r_step)
-    return _program(p, first, np.tile(a0.copy, p), np.tile(a0.reduce, p),
-                    np.repeat(np.arange(p), ns), peers(a0.s_peer),
-                    (a0.s_step[None, :] + first[:-1, None]).ravel(), np.tile(a0.s_count, p),
-                    np.repeat(np.arange(p), nr), peers(a0.r_peer),
-                    (a0.r_step[None, :] + first[:-1, None]).ravel(), np.tile(a0.r_count, p),
-                    np.tile(a0.r_reduce, p))
 
 
 _programs: "OrderedDict[Tuple, Program]" = OrderedDict()
@@ -315,7 +328,7 @@ def program_for(collective: str, algorithm: str, p: int, count: int, root: int =
     t0 = time.perf_counter()
     prog = None
     if not exact and p >= SYMMETRY_MIN_RANKS:
-        prog = _try_symmetry(build, p)
+        prog = _try_symmetry(build, p, node_map)
     if prog is None:
         prog = _assemble([_rank_arrays(build(r).steps, p, r) for r in range(p)], p)
     prog.build_s = time.perf_counter() - t0
