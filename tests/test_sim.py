@@ -10,7 +10,7 @@ from contextlib import redirect_stdout
 import numpy as np
 import pytest
 
-from minicomm.schedule import Recv, Send
+from minicomm.schedule import Copy, Recv, Send
 from minicomm.sim import cli as sim_cli
 from minicomm.sim import engine, ps_model, presets
 from minicomm.sim.engine import ScheduleError, max_min_rates, program_for, simulate
@@ -498,3 +498,33 @@ def test_sim_imports_only_the_layers_below_it():
                     assert not n.startswith("minicomm") or n in ALLOWED or \
                         n.startswith("minicomm.sim"), f"{fn} imports {n}"
                     assert n.split(".")[0] not in ("subprocess", "multiprocessing", "socket"), fn
+
+
+def _host(o=1e-6, lat=5e-6, beta=0.0, **kw):
+    hl = engine.HostLink(3 * o + lat, beta, o, 1 << 20)
+    return engine.HostModel(hl, hl, gamma=0.0, delta=0.0, **kw)
+
+
+def test_host_model_follows_the_schedule():
+    """The process model auto uses: an exchange step costs 3o + L; tree allreduce on 2 ranks is
+    two one-way hops (4o + 2L); ring allreduce two exchanges (6o + 2L); a message is copied in
+    by its sender and out by its receiver, β/2 per byte each."""
+    o, lat = 1e-6, 5e-6
+    t = {f: engine.run_host(program_for(c, f, 2, 2), (0, 0), _host(o, lat)).time_s
+         for c, f in (("allgather", "rhd"), ("allreduce", "tree"), ("allreduce", "ring"))}
+    assert t == pytest.approx({"rhd": 3 * o + lat, "tree": 4 * o + 2 * lat, "ring": 6 * o + 2 * lat})
+    beta = 1e-9
+    prog = engine.compile_schedules([[(Send(1, "in", 0, 1000),)], [(Recv(0, "out", 0, 1000),)]])
+    assert engine.run_host(prog, (0, 0), _host(0.0, 0.0, beta)).time_s == pytest.approx(4000 * beta)
+
+
+def test_host_model_processor_sharing():
+    """Four ranks, each copying locally, on 2 cores: half speed, less the sharing loss."""
+    prog = engine.compile_schedules([[(Copy("in", 0, "out", 0, 1000),)]] * 4)
+    one = engine.HostModel(_host().intra, _host().inter, gamma=0.0, delta=1e-9, cores=0)
+    two = engine.HostModel(_host().intra, _host().inter, gamma=0.0, delta=1e-9, cores=2,
+                           sharing_loss=1.0)
+    t1 = engine.run_host(prog, (0,) * 4, one).time_s
+    t2 = engine.run_host(prog, (0,) * 4, two).time_s
+    assert t1 == pytest.approx(4000e-9)
+    assert t2 == pytest.approx(4000e-9 / (0.5 / 1.5))

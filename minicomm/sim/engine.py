@@ -608,6 +608,224 @@ def run_program(prog: Program, topo: Topology, placement: np.ndarray, itemsize: 
                     delivered)
 
 
+# ---------------------------------------------------------------------------- host processes
+@dataclass(frozen=True)
+class HostLink:
+    """A link class between processes of minicomm's own transports: α is a whole exchange step
+    (3 message ops + latency), β s/byte (the sender copies in β/2, the receiver out β/2), o the
+    CPU per message op, ``chunk`` the piece a receiver sees at once (shm records; a socket's
+    stream)."""
+    alpha: float
+    beta: float
+    overhead: float
+    chunk: int
+
+
+@dataclass(frozen=True)
+class HostModel:
+    """The machine of ``run_host``: ranks are processes on the CPU cores of their node."""
+    intra: HostLink
+    inter: HostLink
+    gamma: float            # in-place add, s per byte of array
+    delta: float            # memcpy, s per byte
+    wake: float = 0.0       # extra latency of a message to a rank asleep in the kernel
+    contention: float = 0.0  # k ranks working at once on a node each run 1 + c(k-1) slower
+    cores: int = 0          # cores of a node (0: as many as ranks, no sharing)
+    spin: float = 50e-6     # a waiting rank spins this long, then sleeps
+    sharing_loss: float = 1.0   # work on a shared core runs at share / (1 + loss (1 - share))
+
+
+def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int = 4) -> RunStats:
+    """Time the program as processes on CPUs (the cost model ``algorithm="auto"`` uses for
+    minicomm's own transports). Each rank works on a CPU or waits, and runs its steps as the
+    executor does: local ops (Copy δ, Reduce γ per byte) and posting its receives (o each); its
+    sends, eager (shm rings and socket buffers take them): o plus the copy-in, β/2 per byte, the
+    message visible to its receiver ``lat`` = α - 3o after its first piece is in (``chunk``:
+    small messages are store-and-forward, large ones pipelined) and complete ``lat`` after its
+    last; then its receives in arrival order: o plus the copy-out, β/2 per byte (a reducing
+    receive max(β/2, γ): it reduces straight out of the landing memory), the last piece no
+    earlier than the sender copied it in. A waiting rank spins for ``spin``, then sleeps: the
+    message that wakes it costs ``wake`` more when the rank has a core to itself. A node's ranks
+    share its ``cores`` (fluid processor sharing among working and spinning ranks; work on a
+    shared core is ``sharing_loss`` less efficient; k ranks working at once slow each other down
+    by 1 + contention (k - 1)). The call's time is the last rank's end."""
+    p = prog.size
+    if len(node_of) != p:
+        raise ValueError(f"node map names {len(node_of)} ranks, not {p}")
+    g, d = hm.gamma, hm.delta
+    links = []
+    for hl in (hm.intra, hm.inter):
+        lat = max(0.0, hl.alpha - 3 * hl.overhead)
+        links.append((hl.overhead, lat, hl.beta / 2, hl.beta / 2, hl.chunk))
+    nodes: Dict[Any, int] = {}
+    for t in node_of:
+        nodes[t] = nodes.get(t, 0) + 1
+    cores = {n: (min(hm.cores, k) if hm.cores else k) for n, k in nodes.items()}
+    shared = {n: cores[n] < k for n, k in nodes.items()}
+    M = prog.messages
+    src, dst = prog.msg_src.tolist(), prog.msg_dst.tolist()
+    mlink = [0 if node_of[a] == node_of[b] else 1 for a, b in zip(src, dst)]
+    mbytes = (prog.msg_count * itemsize).tolist()
+    mreduce = prog.msg_reduce.tolist()
+    first = [math.inf] * M          # when the message's first piece / last piece is visible
+    last = [math.inf] * M
+    exists = [False] * M            # its sender has begun the step that sends it
+    send_ptr, recv_ptr = prog.send_ptr.tolist(), prog.recv_ptr.tolist()
+    recv_order = prog.recv_order.tolist()
+    copy_b = (prog.step_copy * itemsize).tolist()
+    red_b = (prog.step_reduce * itemsize).tolist()
+    rank_first = prog.rank_first.tolist()
+    step = [rank_first[r] - 1 for r in range(p)]
+    todo: List[List[Tuple[str, Any, Any]]] = [[] for _ in range(p)]
+    recvs: List[List[int]] = [[] for _ in range(p)]       # message ids, in op order
+    cpu = [0.0] * p
+    mark: List[Any] = [None] * p
+    waiting: List[Any] = [None] * p     # None, ("first", None): any receive, ("last", message)
+    wait_since = [0.0] * p
+    wake_at: List[Optional[float]] = [None] * p
+    done = [False] * p
+    end = [0.0] * p
+    now = 0.0
+    events = 0
+
+    def begin_step(r: int) -> None:
+        step[r] += 1
+        s = step[r]
+        if s >= rank_first[r + 1]:
+            done[r], end[r] = True, now
+            return
+        work = copy_b[s] * d + red_b[s] * g
+        for m in recv_order[recv_ptr[s]:recv_ptr[s + 1]]:
+            work += links[mlink[m]][0]
+            recvs[r].append(m)
+        items: List[Tuple[str, Any, Any]] = [("cpu", work, None)]
+        for m in range(send_ptr[s], send_ptr[s + 1]):
+            o, lat, bs, br, chunk = links[mlink[m]]
+            exists[m] = True
+            head = min(mbytes[m], chunk) * bs
+            items.append(("cpu", o + head, ("first", m)))
+            items.append(("cpu", mbytes[m] * bs - head, ("last", m)))
+        todo[r] = items
+        advance(r)
+
+    def advance(r: int) -> None:
+        while True:
+            if todo[r]:
+                kind, what, stamp = todo[r].pop(0)
+                if kind == "cpu":
+                    if what > 0:
+                        cpu[r], mark[r] = what, stamp
+                        return
+                    finish(stamp)
+                    continue
+                if last[what] > now:             # the sender's final piece is not in yet
+                    waiting[r], wait_since[r] = ("last", what), now
+                    return
+                continue
+            ready = [(first[m], i, m) for i, m in enumerate(recvs[r])
+                     if exists[m] and first[m] <= now]
+            if ready:
+                _, i, m = min(ready, key=lambda x: (x[0], x[1]))
+                recvs[r].pop(i)
+                o, lat, bs, br, chunk = links[mlink[m]]
+                per = max(br, g) if mreduce[m] else br
+                tail = min(mbytes[m], chunk) * per
+                todo[r] = [("cpu", o + mbytes[m] * per - tail, None), ("last", m, None),
+                           ("cpu", tail, None)]
+                continue
+            if recvs[r]:
+                waiting[r], wait_since[r] = ("first", None), now
+                return
+            begin_step(r)
+            return
+
+    def finish(stamp: Any) -> None:
+        if stamp is not None:
+            field_, m = stamp
+            (first if field_ == "first" else last)[m] = now + links[mlink[m]][1]
+
+    def satisfied(r: int) -> bool:
+        kind, m = waiting[r]
+        if kind == "last":
+            return last[m] <= now
+        return any(exists[x] and first[x] <= now for x in recvs[r])
+
+    def pending_times(r: int):
+        kind, m = waiting[r]
+        if kind == "last":
+            yield last[m]
+            return
+        for x in recvs[r]:
+            if exists[x]:
+                yield first[x]
+
+    for r in range(p):
+        begin_step(r)
+    while not all(done):
+        events += 1
+        moved = True
+        while moved:                     # wake every rank whose message has arrived
+            moved = False
+            for r in range(p):
+                if done[r] or waiting[r] is None or not satisfied(r):
+                    continue
+                if wake_at[r] is None and now - wait_since[r] > hm.spin \
+                        and not shared[node_of[r]] and hm.wake > 0:
+                    wake_at[r] = now + hm.wake   # it fell asleep: the kernel wakes it
+                if wake_at[r] is not None and wake_at[r] > now:
+                    continue
+                wake_at[r], waiting[r] = None, None
+                advance(r)
+                moved = True
+        if all(done):
+            break
+        busy = dict.fromkeys(nodes, 0)       # working or spinning: they hold a core
+        working = dict.fromkeys(nodes, 0)
+        for r in range(p):
+            if done[r]:
+                continue
+            if waiting[r] is None:
+                working[node_of[r]] += 1
+                busy[node_of[r]] += 1
+            elif wake_at[r] is None and now - wait_since[r] <= hm.spin:
+                busy[node_of[r]] += 1
+        rate = {}
+        for n in nodes:
+            share = min(1.0, cores[n] / busy[n]) if busy[n] else 1.0
+            rate[n] = share / (1 + hm.sharing_loss * (1 - share)) \
+                / (1 + hm.contention * max(0, min(working[n], cores[n]) - 1))
+        nxt = math.inf
+        for r in range(p):
+            if done[r]:
+                continue
+            if waiting[r] is None:
+                nxt = min(nxt, now + cpu[r] / rate[node_of[r]])
+                continue
+            if wake_at[r] is not None:
+                nxt = min(nxt, wake_at[r])
+                continue
+            if now - wait_since[r] <= hm.spin:
+                nxt = min(nxt, wait_since[r] + hm.spin * (1 + 1e-9) + 1e-12)
+            for t in pending_times(r):
+                if t > now:
+                    nxt = min(nxt, t)
+        if nxt == math.inf:
+            stuck = [r for r in range(p) if not done[r]][:8]
+            raise ScheduleError(f"the schedules deadlock: ranks {stuck} wait for messages that "
+                                f"are never sent")
+        for r in range(p):
+            if not done[r] and waiting[r] is None:
+                cpu[r] -= (nxt - now) * rate[node_of[r]]
+        now = nxt
+        for r in range(p):
+            if not done[r] and waiting[r] is None and cpu[r] <= 1e-15:
+                stamp, mark[r] = mark[r], None
+                finish(stamp)
+                advance(r)
+    return RunStats(max(end) if p else 0.0, np.array(end), np.zeros(0), events,
+                    np.array(last))
+
+
 # ---------------------------------------------------------------------------- entry points
 def _by_kind(fab: Fabric, link_bytes: np.ndarray) -> Dict[str, float]:
     tot = np.bincount(fab.kind_of, weights=link_bytes, minlength=len(fab.kinds))
