@@ -331,69 +331,82 @@ def _ps(a, topo: Topology) -> int:
 
 
 def _advise(a, topo: Topology) -> int:
+    """The seed's selection question, computed: on these accelerators, allreduce (each family) or
+    a parameter server (colocated: no extra machines; or k extra server machines) for one step's
+    gradients; the winner, by how much, and where the answer changes with model size and k."""
     if not a.model_bytes:
         raise ValueError("--advise needs --model-bytes (e.g. 350G)")
     model = parse_size(a.model_bytes, decimal=True)
     n = topo.servers
     ks = _server_counts(a.servers, n)
-    prices = ps_model.price_step(topo, model, ks)
-    rows = _step_rows(topo, model, prices)
+    rows = _step_rows(topo, model, ps_model.price_step(topo, model, ks))
     ranked = sorted(rows, key=lambda r: r["time_s"])
-    best, second = ranked[0], ranked[1] if len(ranked) > 1 else None
-    ar = [r for r in rows if r["architecture"] == "allreduce"]
-    best_ar = min(ar, key=lambda r: r["time_s"])
-    # crossover in model size: winners over a sweep (allreduce families vs colocated PS)
-    sweep_models = [model * f for f in (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)]
-    winners_by_size = []
-    for m in sweep_models:
-        pr = ps_model.price_step(topo, m, [n], colocated=True)
-        w = min(pr, key=lambda x: x.time_s)
-        winners_by_size.append((m, w.algorithm if w.architecture == "allreduce"
-                                else f"{w.architecture}:{w.servers}"))
-    size_cx = [f"{w0} -> {w1} between {m0 / 1e9:.3g} GB and {m1 / 1e9:.3g} GB"
-               for (m0, w0), (m1, w1) in zip(winners_by_size, winners_by_size[1:]) if w0 != w1]
+    same_hw = [r for r in ranked if r["architecture"] != "ps"]     # no extra machines
+    best, second = same_hw[0], (same_hw[1] if len(same_hw) > 1 else None)
+    best_ar = min((r for r in rows if r["architecture"] == "allreduce"), key=lambda r: r["time_s"])
+    ps_rows = sorted((r for r in rows if r["architecture"] == "ps"), key=lambda r: r["servers"])
+    k_sim = next((r["servers"] for r in ps_rows if r["time_s"] < best["time_s"]), None)
     machine_bw = topo.nic_link.bandwidth * topo.nics_per_server
     intra = (ps_model.intra_time(topo, "reduce_scatter", model)
              + ps_model.intra_time(topo, "allgather", model))
-    k_star = ps_model.crossover_servers(n, machine_bw, model, best_ar["time_s"] - intra)
-    ps_rows = sorted((r for r in rows if r["architecture"] == "ps"), key=lambda r: r["servers"])
-    k_sim = next((r["servers"] for r in ps_rows if r["time_s"] < best_ar["time_s"]), None)
+    k_star = ps_model.crossover_servers(n, machine_bw, model, best["time_s"] - intra)
+    # the answer against model size (same hardware; and with n extra server machines)
+    sweep_models = [model * f for f in (1e-6, 1e-4, 1e-2, 1.0)]
+    by_size = []
+    for m in sweep_models:
+        pr = _step_rows(topo, m, ps_model.price_step(topo, m, [n], colocated=True))
+        hw = min((r for r in pr if r["architecture"] != "ps"), key=lambda r: r["time_s"])
+        ps_n = next(r for r in pr if r["architecture"] == "ps")
+        by_size.append((m, hw["algorithm"], hw["time_s"], ps_n["time_s"]))
+    size_cx = [f"{w0} -> {w1} between {m0 / 1e9:.3g} GB and {m1 / 1e9:.3g} GB"
+               for (m0, w0, _, _), (m1, w1, _, _) in zip(by_size, by_size[1:]) if w0 != w1]
     out = {"model_bytes": model, "gpus": topo.endpoints, "topology": topo.name,
            "winner": best["algorithm"], "winner_architecture": best["architecture"],
            "winner_time_s": best["time_s"],
            "runner_up": second["algorithm"] if second else None,
            "margin": (second["time_s"] / best["time_s"]) if second else None,
            "best_allreduce": best_ar["algorithm"], "best_allreduce_time_s": best_ar["time_s"],
-           "ps_servers_to_match_allreduce": k_star, "ps_servers_beating_allreduce_simulated": k_sim,
-           "winners_by_model_size": [{"model_bytes": m, "winner": w} for m, w in winners_by_size],
+           "best_with_server_machines": ps_rows[-1]["algorithm"] if ps_rows else None,
+           "ps_servers_to_match": k_star, "ps_servers_beating_simulated": k_sim,
+           "winners_by_model_size": [{"model_bytes": m, "winner": w, "time_s": t,
+                                      f"ps_{n}_servers_time_s": tp}
+                                     for m, w, t, tp in by_size],
            "rows": rows}
     if a.json:
         print(json.dumps(out, indent=1))
         return 0
     print(f"# {topo.describe()}")
-    print(f"# model {model / 1e9:g} GB of gradients per step (fp16 GPT-3 175B: 350 GB), "
-          f"{topo.endpoints} accelerators, data parallel")
+    print(f"# {model / 1e9:g} GB of gradients per step (GPT-3 175B fp16: 350 GB), "
+          f"{topo.endpoints} accelerators, data parallel; ps:k = k extra server machines of "
+          f"{machine_bw / 1e9:.0f} GB/s each (a worker machine's NICs, BytePS' assumption)")
     for r in ranked:
         print(f"  {r['algorithm']:>16}  {_fmt_time(r['time_s']):>12}   {r['detail']}")
-    print(f"winner: {best['algorithm']} ({best['architecture']}), {_fmt_time(best['time_s'])}"
-          + (f"; {second['time_s'] / best['time_s']:.2f}x faster than {second['algorithm']}"
-             if second else ""))
-    print(f"best allreduce: {best_ar['algorithm']} {_fmt_time(best_ar['time_s'])}")
+    print(f"winner on these {topo.endpoints} accelerators (no extra machines): "
+          f"{best['algorithm']} ({best['architecture']}), {_fmt_time(best['time_s'])}"
+          + ((f", {second['time_s'] / best['time_s']:.2f}x faster than {second['algorithm']}"
+              if second['time_s'] / best['time_s'] >= 1.02 else
+              f", a tie with {second['algorithm']} ({second['time_s'] / best['time_s']:.3f}x: "
+              f"both move 2(n-1)/n M per machine)") if second else ""))
+    if ps_rows:
+        fastest = min(ps_rows, key=lambda r: r["time_s"])
+        verdict = ("faster" if fastest["time_s"] < best["time_s"] else "slower")
+        print(f"with extra server machines: {fastest['algorithm']} {_fmt_time(fastest['time_s'])}, "
+              f"{max(best['time_s'], fastest['time_s']) / min(best['time_s'], fastest['time_s']):.2f}x "
+              f"{verdict} than {best['algorithm']}")
     if math.isfinite(k_star) and k_star > 0:
-        print(f"server-count crossover: a separate-machine PS (each server {machine_bw / 1e9:.0f} "
-              f"GB/s, like a worker machine) matches it from k = n M / (B (t_allreduce - "
-              f"t_intra)) = {k_star:.1f} server machines for {n} worker machines (closed form); "
+        print(f"server-count crossover: a separate PS beats {best['algorithm']} from k = n M / "
+              f"(B (t - t_intra)) = {k_star:.1f} server machines for {n} workers (closed form); "
               + (f"simulated: k = {k_sim} is the first of {[r['servers'] for r in ps_rows]} "
-                 f"that beats it" if k_sim else
-                 f"simulated: none of k = {[r['servers'] for r in ps_rows]} beats it"))
+                 f"that does" if k_sim else
+                 f"simulated: none of k = {[r['servers'] for r in ps_rows]} does"))
     else:
-        print("server-count crossover: none — the intra-server phases plus one worker's push "
-              "M/B already exceed the best allreduce")
-    print(f"model-size crossover (allreduce families vs colocated PS vs PS on {n} server "
-          f"machines): "
+        print(f"server-count crossover: none — intra-server phases plus one worker's push M/B "
+              f"already exceed {best['algorithm']}")
+    print("model-size crossover (no extra machines): "
           + ("; ".join(size_cx) if size_cx else
              f"none between {sweep_models[0] / 1e9:.3g} GB and {model / 1e9:g} GB"))
-    print("  " + ", ".join(f"{m / 1e9:.3g} GB: {w}" for m, w in winners_by_size))
+    print("  " + "; ".join(f"{m / 1e9:.3g} GB: {w} {_fmt_time(t)} (ps:{n} {_fmt_time(tp)})"
+                           for m, w, t, tp in by_size))
     return 0
 
 

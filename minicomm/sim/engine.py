@@ -11,7 +11,8 @@ Timing rules (what a step costs), per rank, steps in order:
   - then its receives are posted and its sends issued. A message moves once both its send is
     issued and its receive posted (rendezvous, as NCCL's credits and MPI's large-message protocol
     do; ``Topology.rendezvous=False``: eager, as soon as it is sent): after the route's latency α
-    (topology.py) it is a flow of its bytes over the links of its route; every link's bandwidth
+    (topology.py; a sender starting k messages at once issues them one ``gap`` apart, and they
+    start together (k-1) gaps later) it is a flow of its bytes over the links of its route; every link's bandwidth
     is shared max-min fairly (progressive filling) among the flows crossing it at the moment,
     recomputed whenever a flow starts or ends;
   - a send completes when its message is delivered; a receive when its message is delivered, a
@@ -450,7 +451,9 @@ def run_program(prog: Program, topo: Topology, placement: np.ndarray, itemsize: 
     E = topo.endpoints
     pair_key = placement[prog.msg_src] * E + placement[prog.msg_dst]
     pairs, msg_pair = np.unique(pair_key, return_inverse=True)
-    pair_links, pair_lat = fab.routes(pairs // E, pairs % E)
+    pair_links, pair_lat, pair_gap = fab.routes_gaps(pairs // E, pairs % E)
+    src_of = placement[prog.msg_src]
+    gapped = bool(pair_gap.any())
     width = max(1, int((pair_links >= 0).sum(axis=1).max())) if len(pairs) else 1
     pair_links = np.where(pair_links[:, :width] >= 0, pair_links[:, :width], nl)
     msg_pair = msg_pair.reshape(-1)
@@ -531,12 +534,18 @@ def run_program(prog: Program, topo: Topology, placement: np.ndarray, itemsize: 
                     rids = by_recv[_ranges(rptr[s], rcnt)]
                     recv_ready[rids] = np.repeat(posted, rcnt)
                     go_ids.append(rids[~np.isnan(send_ready[rids])])
-            for ids in go_ids:
-                if ids.size:
-                    pend_id = np.concatenate((pend_id, ids))
-                    pend_t = np.concatenate((pend_t, np.maximum(send_ready[ids], recv_ready[ids])
-                                             + pair_lat[msg_pair[ids]] if rendezvous else
-                                             send_ready[ids] + pair_lat[msg_pair[ids]]))
+            ids = np.concatenate(go_ids) if go_ids else np.zeros(0, dtype=np.int64)
+            if ids.size:
+                t_go = (np.maximum(send_ready[ids], recv_ready[ids]) if rendezvous
+                        else send_ready[ids]) + pair_lat[msg_pair[ids]]
+                if gapped:
+                    # a sender issues the k messages it starts at once one gap apart; they start
+                    # together when the last is issued (one event, not k)
+                    srcs = src_of[ids]
+                    k_of = np.bincount(srcs)[srcs]
+                    t_go = t_go + pair_gap[msg_pair[ids]] * (k_of - 1)
+                pend_id = np.concatenate((pend_id, ids))
+                pend_t = np.concatenate((pend_t, t_go))
             ready = s[remaining[s] == 0]
             if ready.size:
                 complete(ready)
@@ -884,8 +893,15 @@ def simulate_schedules(scheds: Sequence[Any], topo: Topology,
                        placement: Optional[Sequence[int]] = None, itemsize: int = 4,
                        collective: str = "custom", algorithm: str = "custom") -> SimResult:
     """Predict explicit per-rank schedules (``Schedule`` objects or lists of steps)."""
+    return simulate_program(compile_schedules(scheds), topo, placement, itemsize, collective,
+                            algorithm)
+
+
+def simulate_program(prog: Program, topo: Topology, placement: Optional[Sequence[int]] = None,
+                     itemsize: int = 4, collective: str = "custom",
+                     algorithm: str = "custom") -> SimResult:
+    """Predict a compiled program (``bytes`` of the result: all bytes its messages carry)."""
     t0 = time.perf_counter()
-    prog = compile_schedules(scheds)
     p = prog.size
     pl = default_placement(topo, p) if placement is None else np.asarray(placement, np.int64)
     fab = Fabric(topo)

@@ -21,6 +21,10 @@ measurement.
   ub-400         48    50     1.5   (I) Unified Bus port (UB-Mesh, arXiv 2503.20377): all assumed
   ub-mesh-intra  336   350    1.0   (I) UB full mesh, 7 x 50 GB/s per NPU: assumed
 
+Issue gap g (LogP): 0.1 us NVLink, 0.2 PCIe / UB, 0.5 IB / RoCE between two messages one sender
+starts at once, (I) everywhere: it matters for patterns that issue many messages per step (a PS
+round, all-to-all), not for rings and trees.
+
 α values: NCCL's own model constants (``hwLat`` for a ring step with the LL128 protocol in
 src/graph/tuning.cc, https://github.com/NVIDIA/nccl) — approximate, not measurements.
 

@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..schedule import Recv, Send
-from .engine import SimResult, simulate, simulate_schedules
+from .engine import Program, SimResult, _program, simulate, simulate_program
 from .topology import LinkSpec, Topology
 
 DEFAULT_ROUNDS = 256
@@ -59,11 +59,13 @@ def closed_form_ps(n: int, k: int, model_bytes: float, bandwidth: float,
 
 def machine_topology(topo: Topology, machines: int) -> Topology:
     """One endpoint per machine, with the machine's total network bandwidth (all its NICs), under
-    the same fat-tree (leaf groups of the same number of servers, same oversubscription)."""
+    the same fat-tree (leaf groups of the same number of servers, same oversubscription); its
+    NICs issue messages in parallel (gap / NICs)."""
     nic = topo.nic_link
-    total = LinkSpec(f"{topo.nics_per_server} x {nic.name}", nic.bandwidth * topo.nics_per_server,
-                     nic.latency, nic.line_rate * topo.nics_per_server, nic.source,
-                     nic.illustrative)
+    nps = topo.nics_per_server
+    # the machine's NICs issue messages in parallel: one gap per message over all of them
+    total = LinkSpec(f"{nps} x {nic.name}", nic.bandwidth * nps, nic.latency,
+                     nic.line_rate * nps, nic.source, nic.illustrative, gap=nic.gap / nps)
     return dataclasses.replace(topo, name=f"{topo.name} (machines)", servers=machines,
                                gpus_per_server=1, nics_per_server=1, rails=False,
                                intra="nvswitch", intra_link=total, nic_link=total,
@@ -74,47 +76,97 @@ def rounds_for(n: int, k: int, rounds: Optional[int] = None, transfer_s: float =
                alpha_s: float = 0.0) -> int:
     """Pipeline rounds: given, or about sqrt(transfer / α) — filling and draining the pipeline
     costs ~transfer / rounds, every round pays α: the sum is smallest there (BytePS tunes its
-    partition size for the same reason) — within 8..DEFAULT_ROUNDS and MAX_MESSAGES."""
+    partition size for the same reason) — within 1..DEFAULT_ROUNDS and MAX_MESSAGES."""
     if rounds is not None:
         if rounds < 1:
             raise ValueError("rounds must be >= 1")
         return int(rounds)
     best = math.sqrt(transfer_s / alpha_s) if alpha_s > 0 else DEFAULT_ROUNDS
     cap = MAX_MESSAGES // max(1, 2 * n * k)
-    return int(max(8, min(DEFAULT_ROUNDS, cap, round(best))))
+    return int(max(1, min(DEFAULT_ROUNDS, cap, round(best))))
 
 
 def ps_schedules(n: int, k: int, shard_count: int, rounds: int,
                  colocated: bool) -> List[List[Tuple]]:
     """Step lists of every rank: workers 0..n-1, then (not colocated) servers n..n+k-1; colocated
-    servers are ranks 0..k-1. ``shard_count`` elements per (round, server) shard."""
+    servers are ranks 0..k-1. ``shard_count`` elements per (round, server) shard. A colocated
+    rank's step lists its server's pull sends, its worker's push sends, its worker's pull
+    receives, its server's push receives: between two ranks the pulls then the pushes, in the
+    same order on both sides (FIFO matching pairs a push with a push)."""
+    _check(n, k, colocated)
+    server = list(range(k)) if colocated else list(range(n, n + k))
+    p = n if colocated else n + k
+    c = shard_count
+    steps: List[List[Tuple]] = [[] for _ in range(p)]
+    for r in range(p):
+        is_worker, is_server = r < n, r in server
+        for i in range(rounds + 1):
+            ops = []
+            if is_server and i > 0:
+                ops += [Send(w, "tmp", 0, c) for w in range(n)]
+            if is_worker and i < rounds:
+                ops += [Send(s, "in", 0, c) for s in server]
+            if is_worker and i > 0:
+                ops += [Recv(s, "out", 0, c) for s in server]
+            if is_server and i < rounds:
+                ops += [Recv(w, "tmp", 0, c, True) for w in range(n)]
+            steps[r].append(tuple(ops))
+    return steps
+
+
+def _check(n: int, k: int, colocated: bool) -> None:
     if n < 1 or k < 1:
         raise ValueError("a parameter server needs at least one worker and one server")
     if colocated and k > n:
         raise ValueError(f"{k} colocated servers need at least {k} machines, got {n} workers")
-    server = (list(range(k)) if colocated else list(range(n, n + k)))
+
+
+def ps_program(n: int, k: int, shard_count: int, rounds: int, colocated: bool) -> Program:
+    """The compiled program of ``ps_schedules`` built with numpy (a step of 1,024 machines has
+    millions of messages: the same arrays, without a Python object per op)."""
+    _check(n, k, colocated)
+    server = np.arange(k) if colocated else np.arange(n, n + k)
+    workers = np.arange(n)
     p = n if colocated else n + k
-    c = shard_count
-    steps: List[List[Tuple]] = [[] for _ in range(p)]
-    for i in range(rounds + 1):
-        for w in range(n):
-            ops = []
-            if i < rounds:
-                ops += [Send(s, "in", 0, c) for s in server]
-            if i > 0:
-                ops += [Recv(s, "out", 0, c) for s in server]
-            steps[w].append(ops)
-        for j, s in enumerate(server):
-            ops = []
-            if i < rounds:
-                ops += [Recv(w, "tmp", 0, c, True) for w in range(n)]
-            if i > 0:
-                ops += [Send(w, "tmp", 0, c) for w in range(n)]
-            if colocated:
-                steps[s][i].extend(ops)
-            else:
-                steps[s].append(ops)
-    return [[tuple(st) for st in rank] for rank in steps]
+    R = rounds
+    steps_per = R + 1
+    first = np.arange(p + 1, dtype=np.int64) * steps_per
+    sends, recvs = [], []            # per rank: (step, peer, reduce) arrays in op order
+    is_server = np.zeros(p, dtype=bool)
+    is_server[server] = True
+    for r in range(p):
+        s_parts, r_parts = [], []
+        for i in range(steps_per):
+            s_i, r_i = [], []
+            if is_server[r] and i > 0:
+                s_i.append(workers)
+            if r < n and i < R:
+                s_i.append(server)
+            if r < n and i > 0:
+                r_i.append((server, False))
+            if is_server[r] and i < R:
+                r_i.append((workers, True))
+            for x in s_i:
+                s_parts.append((np.full(len(x), i), x))
+            for x, red in r_i:
+                r_parts.append((np.full(len(x), i), x, np.full(len(x), red)))
+        sends.append(s_parts)
+        recvs.append(r_parts)
+
+    def cat(parts, j):
+        return np.concatenate([x[j] for x in parts]) if parts else np.zeros(0, dtype=np.int64)
+    ns = np.array([sum(len(x[1]) for x in s) for s in sends])
+    nr = np.array([sum(len(x[1]) for x in rr) for rr in recvs])
+    s_all = [x for s in sends for x in s]
+    r_all = [x for rr in recvs for x in rr]
+    s_step = cat(s_all, 0) + np.repeat(first[:-1], ns)
+    r_step = cat(r_all, 0) + np.repeat(first[:-1], nr)
+    S = p * steps_per
+    zeros = np.zeros(S)
+    return _program(p, first, zeros, zeros.copy(), np.repeat(np.arange(p), ns), cat(s_all, 1),
+                    s_step, np.full(int(ns.sum()), shard_count), np.repeat(np.arange(p), nr),
+                    cat(r_all, 1), r_step, np.full(int(nr.sum()), shard_count),
+                    cat(r_all, 2).astype(bool))
 
 
 @dataclass
@@ -144,9 +196,9 @@ def simulate_ps(topo: Topology, workers: int, servers: int, model_bytes: float,
                    closed_form_ps(workers, servers, model_bytes, mt.nic_link.bandwidth,
                                   colocated), alpha)
     shard = max(1, int(round(model_bytes / itemsize / (R * servers)))) if model_bytes else 0
-    scheds = ps_schedules(workers, servers, shard, R, colocated)
-    r = simulate_schedules(scheds, mt, itemsize=itemsize, collective="ps",
-                           algorithm="ps-colocated" if colocated else "ps")
+    prog = ps_program(workers, servers, shard, R, colocated)
+    r = simulate_program(prog, mt, itemsize=itemsize, collective="ps",
+                         algorithm="ps-colocated" if colocated else "ps")
     moved = shard * itemsize * R * servers
     cf = closed_form_ps(workers, servers, moved, mt.nic_link.bandwidth, colocated)
     return PSResult(workers, servers, colocated, moved, r.time_s, cf, R, r.busiest_link, r)

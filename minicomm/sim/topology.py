@@ -25,6 +25,9 @@ What is modelled
   direction of capacity (NIC bandwidth under the leaf) / ``oversubscription``; a pod's uplink to the
   core likewise with ``core_oversubscription``. Trunks assume ideal ECMP / adaptive routing (load
   spread evenly over the parallel uplinks).
+- issue gap: a sender issues the messages it starts at once one ``gap`` apart (LogP's g: a NIC
+  or copy engine posts one message at a time), that of their first link class; they start
+  together when the last one is issued.
 - latency: a message pays the latency of its first link class (``intra_link.latency`` inside a
   server; ``nic_link.latency`` between servers) plus ``switch_latency`` per switch it crosses in
   the network (1, 3 or 5). That sum is the α of the message.
@@ -66,12 +69,15 @@ class LinkSpec:
     line_rate: float = 0.0
     source: str = ""
     illustrative: bool = False
+    gap: float = 0.0          # s between two messages one sender issues on it (LogP's g)
 
     def __post_init__(self):
         if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
             raise ValueError(f"link {self.name!r}: bandwidth must be a positive number")
-        if not (self.latency >= 0 and math.isfinite(self.latency)):
-            raise ValueError(f"link {self.name!r}: latency must be >= 0")
+        for f in ("latency", "gap"):
+            v = getattr(self, f)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"link {self.name!r}: {f} must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -252,6 +258,12 @@ class Fabric:
 
     def routes(self, src: np.ndarray, dst: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """(links, latency): links is (F, MAX_HOPS) of link ids padded with -1; latency (F,) s."""
+        links, lat, _ = self.routes_gaps(src, dst)
+        return links, lat
+
+    def routes_gaps(self, src: np.ndarray, dst: np.ndarray
+                    ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """routes() and the issue gap of each (that of its first link class; 0 to oneself)."""
         t = self.topo
         g, nps = t.gpus_per_server, t.nics_per_server
         src = np.asarray(src, dtype=np.int64)
@@ -284,6 +296,8 @@ class Fabric:
         else:
             put(same, b["pair"] + sa * g * g + ia * g + ib)
         lat[same] = t.intra_link.latency
+        gap = np.zeros(F)
+        gap[same] = t.intra_link.gap
         # between servers
         if cross.any():
             if t.intra == "pcie":
@@ -314,7 +328,8 @@ class Fabric:
                     put(cross, b["root"] + sb)
                 put(cross, b["acc_in"] + dst)
             lat[cross] = t.nic_link.latency + hops[cross] * t.switch_latency
-        return links, lat
+            gap[cross] = t.nic_link.gap
+        return links, lat, gap
 
 
 # ------------------------------------------------------------------------------ files
@@ -334,7 +349,7 @@ def link_from_dict(d: Mapping[str, Any], name: str = "link",
     if not isinstance(d, Mapping):
         raise ValueError(f"{name}: expected a table/object or a link preset name, got {d!r}")
     known = {"preset", "name", "bandwidth_GBps", "latency_us", "line_rate_GBps", "source",
-             "illustrative"}
+             "illustrative", "gap_us"}
     unknown = set(d) - known
     if unknown:
         raise ValueError(f"{name}: unknown keys {sorted(unknown)}; allowed: {sorted(known)}")
@@ -351,6 +366,8 @@ def link_from_dict(d: Mapping[str, Any], name: str = "link",
         out["bandwidth"] = _num(d["bandwidth_GBps"], f"{name}.bandwidth_GBps") * GB
     if "latency_us" in d:
         out["latency"] = _num(d["latency_us"], f"{name}.latency_us") * US
+    if "gap_us" in d:
+        out["gap"] = _num(d["gap_us"], f"{name}.gap_us") * US
     if "line_rate_GBps" in d:
         out["line_rate"] = _num(d["line_rate_GBps"], f"{name}.line_rate_GBps") * GB
     if "source" in d:
