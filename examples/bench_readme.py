@@ -20,7 +20,7 @@ import shlex
 import subprocess
 import sys
 
-from minicomm.bench import format_size
+from minicomm.tools.benchspec import format_size
 
 ALGOS = "ring,rhd,tree,hier,auto"
 SWEEP = "8,64,512,4K,32K,256K,1M,4M,16M,64M"
@@ -38,7 +38,7 @@ MiB = 1 << 20
 
 
 def _peers() -> list:
-    from minicomm import peers
+    from minicomm.tools import peers
     return [p for p, why in (("mpi", peers.mpi_available()), ("gloo", peers.gloo_available()))
             if why is None]
 
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix", default="", help="command put before every bench run")
     a = ap.parse_args(argv)
     rows = run_all(a.out, a.prefix)
-    from minicomm.bench import plot
+    from minicomm.tools.bench import plot
     plot(rows["allreduce-shm-n2"] + rows["allreduce-shm-n4"], a.plot,
          title="minicomm bench allreduce over shm: busbw vs size (out-of-place)")
     mem = peak_memory()

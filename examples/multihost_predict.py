@@ -1,9 +1,9 @@
-"""Measured vs predicted: `minicomm bench` across hosts next to the α-β model of minicomm.tuning.
+"""Measured vs predicted: `minicomm bench` across hosts next to the α-β model of minicomm.cost.
 
     minicomm run --hostfile hosts examples/multihost_predict.py [--collectives allreduce]
         [--algorithms ring,rhd,hier] [--sizes 1M,4M,16M,64M] [--batches 3] [--warmup 1]
 
-Measured: the project's benchmark tool (``minicomm.bench.rank_main``, what ``minicomm bench``
+Measured: the project's benchmark tool (``minicomm.tools.bench.rank_main``, what ``minicomm bench``
 runs inside ``minicomm run``): per collective, size and algorithm, the median over batches of the
 slowest rank's time, out-of-place; size is the whole buffer (nccl-tests), busbw = size / time x
 nccl-tests' factor.
@@ -15,7 +15,7 @@ rank of another host (inter) and rank 0 and rank 1 (intra, when they share a hos
       itself; 2 s); intra: half the round trip of a 16 MiB minicomm message / 16 MiB (shm);
   γ   seconds per byte of numpy's in-place add of two 64 MiB float32 arrays (the reduction).
 
-Two predictions, both with ``minicomm.tuning``'s own formulas (``flat_cost`` for ring / rhd,
+Two predictions, both with ``minicomm.cost``'s own formulas (``flat_cost`` for ring / rhd,
 ``hier_cost`` for hier) and the measured α, β, γ:
   model   the formulas as they are: every rank is charged the link rate for what *it* sends, as
           if it had the host's NIC to itself;
@@ -41,8 +41,9 @@ import time
 import numpy as np
 
 import minicomm as mc
-from minicomm.bench import BenchConfig, format_size, parse_size, rank_main
-from minicomm.tuning import GAMMA, LinkModel, flat_cost, hier_cost
+from minicomm.cost import GAMMA, LinkModel, flat_cost, hier_cost
+from minicomm.tools.bench import rank_main
+from minicomm.tools.benchspec import BenchConfig, format_size, parse_size
 
 
 # ---------------------------------------------------------------------------------- links
@@ -166,7 +167,7 @@ def predictions(comm, coll, n, algo, links):
         # hier_cost already charges what shares the NIC (allreduce's L shards at once,
         # reduce_scatter's L blocks; the other collectives cross from the leaders only)
         return hier(1), hier(1)
-    # a flat family across hosts is charged the inter link throughout (tuning's convention)
+    # a flat family across hosts is charged the inter link throughout (the cost model's convention)
     plain = flat_cost(coll, algo, p, n, links["alpha_inter"], links["beta_inter"], g)
     if algo == "ring" and coll != "alltoall":      # ring alltoall is pairwise shifts, not a ring
         return plain, plain
@@ -205,7 +206,7 @@ def main():
               f"alpha_intra {links['alpha_intra'] * 1e6:.0f} us, intra "
               f"{1 / links['beta_intra'] / 1e9:.2f} GB/s; "
               f"gamma {1 / links['gamma'] / 1e9:.2f} GB/s "
-              f"(tuning's default {1 / GAMMA / 1e9:.1f})")
+              f"(the cost model's default {1 / GAMMA / 1e9:.1f})")
         print(f"{'collective':<15}{'size':>6}{'algorithm':>10}{'time ms':>10}{'busbw GB/s':>12}"
               f"{'model ms':>10}{'meas/model':>11}{'nic ms':>9}{'meas/nic':>9}")
         for row in rows:

@@ -1,12 +1,13 @@
-"""The ``minicomm`` command: verify | run | bench | sim (later: demo)."""
+"""The ``minicomm`` command: verify | run | bench | demo | sim."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
 def _cmd_verify(a) -> int:
-    from .verifier import run_matrix
+    from .tools.verify import run_matrix
     ok = run_matrix(a.max_world, all_roots=a.all_roots, jobs=a.jobs,
                     collectives=a.collective or None, families=a.algorithm or None)
     return 0 if ok else 1
@@ -19,8 +20,16 @@ def _cmd_run(a) -> int:
     if not argv:
         print("minicomm run: no script given", file=sys.stderr)
         return 2
+    if a.servers is not None:
+        # ps.start(comm) reads it; the local launcher copies the environment into every rank and
+        # the ssh launcher forwards MINICOMM_* variables, so one place serves both
+        if a.servers < 1 or (a.n is not None and a.servers >= a.n):
+            print(f"minicomm run: --servers {a.servers} needs 1 <= servers < -n "
+                  f"(at least one worker)", file=sys.stderr)
+            return 2
+        os.environ["MINICOMM_NUM_SERVERS"] = str(a.servers)
     if a.hosts or a.hostfile:
-        from . import sshlaunch
+        from .launch import ssh as sshlaunch
         try:
             hosts = (sshlaunch.parse_hostfile(a.hostfile) if a.hostfile
                      else sshlaunch.parse_hosts(a.hosts))
@@ -31,13 +40,18 @@ def _cmd_run(a) -> int:
     if a.n is None:
         print("minicomm run: give -n N (or --hosts / --hostfile)", file=sys.stderr)
         return 2
-    from .launch import run_local
+    from .launch.local import run_local
     return run_local(a.n, argv, nodes=a.nodes, transport=a.transport, timeout=a.timeout)
 
 
 def _cmd_bench(a) -> int:
-    from .bench import main_from_cli
+    from .tools.bench import main_from_cli
     return main_from_cli(a)
+
+
+def _cmd_demo(a) -> int:
+    from .tools.demo import main_from_args
+    return main_from_args(a)
 
 
 def _cmd_sim(a) -> int:
@@ -63,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--nodes", type=int, default=1, help="emulated nodes on this box")
     r.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"])
     r.add_argument("--timeout", type=float, default=None, help="per-wait timeout (s)")
+    r.add_argument("--servers", type=int, default=None,
+                   help="parameter servers: ranks 0..K-1 serve in ps.start(comm), the rest are "
+                        "workers (sets MINICOMM_NUM_SERVERS)")
     r.add_argument("--hosts", help="host:slots,host:slots (ssh)")
     r.add_argument("--hostfile", help="file of 'host [slots=N]' lines (ssh)")
     r.add_argument("--ssh-opts", default=None, help="extra ssh options (or MINICOMM_SSH)")
@@ -72,11 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("script", nargs=argparse.REMAINDER)
     r.set_defaults(func=_cmd_run)
 
-    from . import bench
+    from .tools import bench
     b = sub.add_parser("bench", help="nccl-tests-style benchmark (with MPICH / gloo side by side)",
                        description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(b)
     b.set_defaults(func=_cmd_bench)
+
+    from .tools import demo
+    d = sub.add_parser("demo", help="train a numpy MLP every way: single, allreduce, parameter "
+                       "server", description=demo.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo.add_arguments(d)
+    d.set_defaults(func=_cmd_demo)
 
     from .sim import cli as sim_cli
     s = sub.add_parser("sim", help="predict collectives and the parameter server on a modelled "

@@ -19,8 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .schedule import IN, OUT, TMP, Copy, Recv, Reduce, Schedule, Send
 from .transports.base import Tag
-from .schedule import Copy, Recv, Reduce, Schedule, Send, IN, OUT, TMP
 
 _LOCAL_COPY, _LOCAL_REDUCE = 0, 1
 _BUF_INDEX = {IN: 0, OUT: 1, TMP: 2}

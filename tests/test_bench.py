@@ -5,16 +5,26 @@ benchmark itself reports.
 """
 import csv
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from minicomm import bench, peers
-from minicomm.bench import (COLLECTIVES, BenchConfig, BenchError, Buffers, Case, busbw_factor,
-                            expected_result, make_cases, parse_size, size_steps)
+from extras import module_missing, require
+from minicomm.tools import bench, benchspec, peers
+from minicomm.tools.benchspec import (
+    COLLECTIVES,
+    BenchConfig,
+    BenchError,
+    Buffers,
+    Case,
+    busbw_factor,
+    expected_result,
+    make_cases,
+    parse_size,
+    size_steps,
+)
 
 QUICK = dict(iters=2, warmup=1, batches=2)
 
@@ -121,7 +131,7 @@ def test_every_collective_and_algorithm_checks_clean_inproc():
         if r["collective"] != "barrier":
             assert r["ip_time_us"] > 0 and r["ip_wrong"] == 0
             assert r["busbw"] == pytest.approx(r["algbw"] * busbw_factor(r["collective"], 3))
-        assert r["root"] == (1 if r["collective"] in bench.ROOTED else -1)
+        assert r["root"] == (1 if r["collective"] in benchspec.ROOTED else -1)
     auto = [r["algo"] for r in rows if r["algo"].startswith("auto")]
     assert all(a.split(">")[1] in ("ring", "rhd", "tree", "hier") for a in auto)
 
@@ -137,7 +147,7 @@ def test_wrong_results_are_counted(monkeypatch):
         def op_then_spoil():
             inner()
             call.result[0] += 1
-        return bench.Call(op_then_spoil, call.barrier, call.result)
+        return benchspec.Call(op_then_spoil, call.barrier, call.result)
     monkeypatch.setattr(bench.MinicommRunner, "prepare", corrupt)
     rows = bench.run(BenchConfig(collectives=["allreduce"], sizes=[64], nranks=2,
                                  transport="inproc", quiet=True, **QUICK))
@@ -202,7 +212,7 @@ def test_tune_refuses_benchmark_outputs():
 
 
 def test_plot(tmp_path):
-    pytest.importorskip("matplotlib")
+    require(module_missing("matplotlib", "plot"))
     rows = bench.run(BenchConfig(collectives=["allreduce", "barrier"], sizes=[8, 4096],
                                  nranks=2, transport="inproc", algorithms=["ring", "auto"],
                                  quiet=True, **QUICK))
@@ -213,17 +223,17 @@ def test_plot(tmp_path):
 
 # ---------------------------------------------------------------------------- peers
 def test_missing_peer_is_a_clean_error(monkeypatch):
-    monkeypatch.setattr(peers, "gloo_available", lambda: "torch is not installed")
+    monkeypatch.setattr(benchspec, "gloo_available", lambda: "torch is not installed")
     cfg = BenchConfig(collectives=["allreduce"], sizes=[8], peers=["gloo"])
     with pytest.raises(BenchError, match="torch is not installed"):
         cfg.validate()
-    monkeypatch.setattr(peers, "mpi_available", lambda: None)
+    monkeypatch.setattr(benchspec, "mpi_available", lambda: None)
     with pytest.raises(BenchError, match="no 'avg' reduction"):
         BenchConfig(collectives=["allreduce"], sizes=[8], peers=["mpi"], op="avg").validate()
 
 
-@pytest.mark.skipif(peers.mpi_available() is not None, reason=str(peers.mpi_available()))
 def test_peer_mpi_side_by_side():
+    require(peers.mpi_available())
     rows = bench.run(BenchConfig(collectives=["allreduce", "reduce_scatter", "scatter"],
                                  sizes=[4096], nranks=2, transport="shm", peers=["mpi"],
                                  root=1, quiet=True, **QUICK))
@@ -233,8 +243,8 @@ def test_peer_mpi_side_by_side():
         assert r["ratio"] > 0 and r["ip_ratio"] > 0 and r["transport"] == "mpich"
 
 
-@pytest.mark.skipif(peers.gloo_available() is not None, reason=str(peers.gloo_available()))
 def test_peer_gloo_side_by_side():
+    require(peers.gloo_available())
     rows = bench.run(BenchConfig(collectives=["allgather", "alltoall", "gather"], sizes=[4096],
                                  nranks=2, transport="shm", peers=["gloo"], quiet=True, **QUICK))
     assert [r["library"] for r in rows] == ["minicomm", "gloo"] * 3

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import minicomm as mc
-from minicomm.executor import FUSE_MIN_COUNT, Plan, alias_safe
 from minicomm.algorithms import build_schedule
+from minicomm.executor import FUSE_MIN_COUNT, Plan, alias_safe
 from minicomm.schedule import IN, OUT, Copy, Recv, Send
 
 FAMILIES = ("ring", "tree", "rhd", "hier")

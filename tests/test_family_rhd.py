@@ -5,15 +5,17 @@ import time
 
 import pytest
 
+from family_cases import (
+    SIZES,
+    ceil_lg,
+    counts,
+    roots,
+    verify_every_root_and_count,
+    verify_large_world,
+)
 from minicomm.algorithms import build_all, rhd
 from minicomm.schedule import COLLECTIVES, Recv, Send
 from minicomm.verifier import VerificationError, verify
-
-from family_cases import SIZES, ceil_lg, counts, roots, verify_every_root_and_count, verify_large_world
-
-
-
-
 
 
 def lg_pow2_floor(p):

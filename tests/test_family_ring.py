@@ -3,14 +3,10 @@ import dataclasses
 
 import pytest
 
+from family_cases import SIZES, verify_every_root_and_count, verify_large_world
 from minicomm.algorithms import build_all, ring
 from minicomm.schedule import COLLECTIVES, ROOTED, Copy, Recv, Send
 from minicomm.verifier import VerificationError, verify
-
-from family_cases import SIZES, verify_every_root_and_count, verify_large_world
-
-
-
 
 
 def build_direct(collective, p, n, root=0):

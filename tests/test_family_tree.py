@@ -3,11 +3,10 @@ import dataclasses
 
 import pytest
 
+from family_cases import SIZES, ceil_lg, roots, verify_every_root_and_count, verify_large_world
 from minicomm.algorithms import build_all, tree
 from minicomm.schedule import COLLECTIVES, Recv, Send
 from minicomm.verifier import VerificationError, verify
-
-from family_cases import SIZES, ceil_lg, roots, verify_every_root_and_count, verify_large_world
 
 TWO_PHASE = {"allreduce", "allgather", "reduce_scatter", "barrier"}   # up the tree, then down
 

@@ -112,7 +112,7 @@ def _leftovers(cluster, script, job_id, settle=10.0):
     """Ranks, agents, ssh clients and segments of the job that still exist (waits for them to go)."""
     deadline = time.monotonic() + settle
     while True:
-        left = [f"process {pid}: {cmd[:100]}" for text in (str(script), "-m minicomm.agent", cluster.ssh_config)
+        left = [f"process {pid}: {cmd[:100]}" for text in (str(script), "-m minicomm.launch.agent", cluster.ssh_config)
                 for pid, cmd in processes_mentioning(text)]
         for name in cluster.names:
             shm = cluster.exec(name, "ls", "/dev/shm").stdout.split()

@@ -22,14 +22,14 @@ def job_segments(job_id):
 
 def my_worker_processes():
     """Rank processes that are children of this test process (other jobs may run alongside)."""
-    out = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "minicomm._worker"],
+    out = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "minicomm.launch.worker"],
                          capture_output=True, text=True)
     return [int(x) for x in out.stdout.split()]
 
 
 @pytest.fixture(autouse=True)
 def nothing_left_behind():
-    import minicomm.launch as launch
+    from minicomm.launch import local as launch
     launch.last_job_id = None
     yield
     if launch.last_job_id:
@@ -52,6 +52,46 @@ def test_matrix_over_real_processes(transport, nodes, p):
     res = mc.spawn(_all_algorithms, p, transport=transport, nodes=nodes, timeout=120)
     assert len(set(res)) == 1 and res[0] > 0
 
+
+
+# ---------------------------------------------------------------------------- emulated nodes
+def _hier_over_one_transport(comm, kind, nodes):
+    """The node map is logical (blocks of consecutive ranks) and every pair uses ``kind``."""
+    from minicomm.launch import node_map
+    topo = node_map(comm.size, nodes)
+    assert comm.topology == topo and comm.num_nodes == nodes and comm.node == topo[comm.rank]
+    mine = [r for r in range(comm.size) if topo[r] == comm.node]
+    assert (comm.local_rank, comm.local_size) == (mine.index(comm.rank), len(mine))
+    assert comm.transport.name == kind, comm.transport.name          # no shm+tcp routing
+    assert (comm.link_model.intra, comm.link_model.inter) == (kind, kind)
+    # the whole matrix: every root (on every node), every op, odd counts, in and out of place
+    return matrix(comm, "hier", counts=(0, 1, 2 * comm.size + 1), dtypes=("int32", "float64"))
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+@pytest.mark.parametrize("p,nodes", [(4, 2), (5, 2), (6, 2), (4, 3), (5, 3), (6, 3)])
+def test_hier_over_a_forced_transport_with_emulated_nodes(kind, p, nodes):
+    """nodes=k is a logical topology for a forced transport too: hier's intra and inter phases
+    both run over shm alone (or tcp alone), including uneven nodes (nodes=3)."""
+    res = mc.spawn(_hier_over_one_transport, p, args=(kind, nodes), transport=kind, nodes=nodes,
+                   timeout=120)
+    assert len(set(res)) == 1 and res[0] > 0
+
+
+def test_minicomm_run_emulates_nodes_over_forced_shm(tmp_path):
+    script = tmp_path / "nodes.py"
+    script.write_text("import minicomm as mc, numpy as np\n"
+                      "comm = mc.init()\n"
+                      "y = comm.allreduce(np.arange(5.0) + comm.rank, algorithm='hier')\n"
+                      "print(comm.node, comm.local_rank, comm.transport.name, y.tolist())\n"
+                      "comm.close()\n")
+    out = subprocess.run([sys.executable, "-m", "minicomm.cli", "run", "-n", "4", "--nodes", "2",
+                          "--transport", "shm", str(script)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    want = (np.arange(5.0) * 4 + 6).tolist()
+    rows = sorted(line for line in out.stdout.splitlines() if line.startswith("["))
+    assert rows == [f"[{r}] {r // 2} {r % 2} shm {want}" for r in range(4)]
 
 def _large(comm):
     x = np.arange(3_000_001, dtype=np.float32) % 5 + comm.rank
@@ -112,9 +152,9 @@ def _mismatch(comm, kind):
             comm.allreduce(np.ones(8 + comm.rank, dtype=np.float32))
         else:
             comm.broadcast(np.ones(8), root=0 if comm.rank == 0 else 1, algorithm="ring")
-    except mc.MismatchError as e:
+    except mc.MismatchError:
         return "MismatchError"
-    except mc.PeerFailure as e:
+    except mc.PeerFailure:
         return "PeerFailure"
     return "no error"
 

@@ -1,6 +1,5 @@
 """Hypothesis: the verifier over random (collective, family, world size up to 64, count, root,
 node map), and real inproc runs of random calls against the numpy reference."""
-import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

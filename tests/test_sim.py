@@ -12,7 +12,7 @@ import pytest
 
 from minicomm.schedule import Copy, Recv, Send
 from minicomm.sim import cli as sim_cli
-from minicomm.sim import engine, ps_model, presets
+from minicomm.sim import engine, presets, ps_model
 from minicomm.sim.engine import ScheduleError, max_min_rates, program_for, simulate
 from minicomm.sim.topology import Fabric, LinkSpec, Topology
 
@@ -483,7 +483,7 @@ def test_bad_topologies_and_arguments_raise():
 
 
 def test_busbw_factor_matches_bench():
-    from minicomm.bench import busbw_factor
+    from minicomm.tools.bench import busbw_factor
     for c in ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "gather",
               "scatter", "alltoall", "barrier"):
         for n in (1, 2, 7, 1024):

@@ -13,9 +13,15 @@ import time
 
 import pytest
 
-from minicomm.agent import EVENT
-from minicomm.sshlaunch import (LAUNCH_FAILURE, LaunchError, cap_slots, parse_hostfile,
-                                parse_hosts, run_multihost)
+from minicomm.launch.agent import EVENT
+from minicomm.launch.ssh import (
+    LAUNCH_FAILURE,
+    LaunchError,
+    cap_slots,
+    parse_hostfile,
+    parse_hosts,
+    run_multihost,
+)
 
 FAKE_SSH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_ssh")
 
@@ -104,7 +110,7 @@ def test_layout_env_and_prefixed_output(tmp_path):
         assert (r["node"], r["local_rank"], r["size"], r["num_nodes"]) == (node, local, 3, 2)
         assert r["local_size"] == (2 if node == 0 else 1)
         assert r["cwd"] == str(tmp_path) and r["extra"] == "yes" and r["master"] == "127.0.0.1"
-        assert r["token"] == 64 and "minicomm.agent" in r["parent_cmdline"]
+        assert r["token"] == 64 and "minicomm.launch.agent" in r["parent_cmdline"]
     assert sorted(err.splitlines()) == ["[0] to stderr", "[1] to stderr", "[2] to stderr"]
     assert EVENT.decode() not in out
 
@@ -129,6 +135,20 @@ def test_failing_rank_ends_the_job(tmp_path):
     segments = [line.split(" ", 1)[1] for line in out.splitlines()]
     assert len(segments) == 4 and not any(os.path.exists(s) for s in segments)
 
+
+
+def test_forced_shm_across_hosts_is_a_clear_error(tmp_path):
+    """Hosts of the list are machines: shm cannot reach another one (unlike emulated nodes of
+    one machine), so forcing it says so instead of hanging or falling back."""
+    script = tmp_path / "job.py"
+    script.write_text("import minicomm as mc\nmc.init(timeout=30)\n")
+    out, err = io.BytesIO(), io.BytesIO()
+    rc = run_multihost([("nodeA", 1), ("nodeB", 1)], [str(script)],
+                       {"MINICOMM_TRANSPORT": "shm"}, ssh=FAKE_SSH, master_addr="127.0.0.1",
+                       cwd=str(tmp_path), out=out, err=err)
+    text = err.getvalue().decode()
+    assert rc != 0
+    assert "transport 'shm' cannot reach ranks [1] on other hosts; use 'auto' or 'tcp'" in text
 
 def test_rank_ignoring_sigterm_is_killed(tmp_path):
     body = """
@@ -169,7 +189,7 @@ def test_agent_ends_its_ranks(tmp_path, how):
                first_rank=0, local_size=2, master_addr="127.0.0.1", master_port=1,
                cwd=str(tmp_path), python=sys.executable, argv=[str(script)], env={},
                pythonpath="", kill_grace=3.0)
-    agent = subprocess.Popen([sys.executable, "-m", "minicomm.agent"], stdin=subprocess.PIPE,
+    agent = subprocess.Popen([sys.executable, "-m", "minicomm.launch.agent"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         agent.stdin.write(json.dumps(job).encode() + b"\n")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import minicomm as mc
-from minicomm import tuning
+from minicomm import cost, tuning
 from minicomm.schedule import Recv, Send
 
 
@@ -36,11 +36,11 @@ def test_table_round_trip_and_merge(cache):
     path = tuning.write_table(first)
     assert path == str(cache / f"tune-{socket.gethostname()}.json")
     assert json.load(open(path))["format"] == tuning.TABLE_FORMAT
-    assert sorted(map(tuning._entry_key, tuning.load_table())) == \
-        sorted(map(tuning._entry_key, first))
+    assert sorted(map(tuning.cache._entry_key, tuning.load_table())) == \
+        sorted(map(tuning.cache._entry_key, first))
     # a second measurement of one key replaces it; the others stay
     tuning.write_table([entry("allreduce", 2, 8, "tree")])
-    got = {tuning._entry_key(e): e["best"] for e in tuning.load_table()}
+    got = {tuning.cache._entry_key(e): e["best"] for e in tuning.load_table()}
     assert len(got) == 3 and got[("allreduce", 2, (0, 0), "shm", "tcp", 8)] == "tree"
     with pytest.raises(ValueError, match="not a tuned-table entry"):
         tuning.write_table([{"collective": "allreduce", "world": 2, "nbytes": 8}])
@@ -48,15 +48,15 @@ def test_table_round_trip_and_merge(cache):
 
 
 def test_table_lookup_is_nearest_within_factor_two():
-    m = tuning.LinkModel.for_transports("shm", "tcp", table=tuning.table_index(
+    m = cost.LinkModel.for_transports("shm", "tcp", table=cost.table_index(
         [entry("allreduce", 2, 1024, "rhd"), entry("allreduce", 2, 4096, "ring")]))
-    look = lambda n: tuning.table_choice(m, "allreduce", 2, n, (0, 0))   # noqa: E731
+    look = lambda n: cost.table_choice(m, "allreduce", 2, n, (0, 0))   # noqa: E731
     assert [look(n) for n in (512, 1024, 1500, 2048, 3000, 8192)] == \
         ["rhd", "rhd", "rhd", "rhd", "ring", "ring"]       # 2048: as near to both, the smaller
     assert look(256) is None and look(16384) is None       # beyond a factor of 2: the model
-    assert tuning.table_choice(m, "allreduce", 4, 1024, (0,) * 4) is None
-    other = tuning.LinkModel.for_transports("tcp", "tcp", table=m.table)
-    assert tuning.table_choice(other, "allreduce", 2, 1024, (0, 0)) is None   # other transports
+    assert cost.table_choice(m, "allreduce", 4, 1024, (0,) * 4) is None
+    other = cost.LinkModel.for_transports("tcp", "tcp", table=m.table)
+    assert cost.table_choice(other, "allreduce", 2, 1024, (0, 0)) is None   # other transports
 
 
 def test_corrupt_files_are_ignored_with_a_warning(cache):
@@ -76,7 +76,7 @@ def test_corrupt_files_are_ignored_with_a_warning(cache):
 
 
 def _auto_choices(comm, sizes):
-    return [tuning.choose("allreduce", comm.size, n, comm.topology, comm.link_model)
+    return [cost.choose("allreduce", comm.size, n, comm.topology, comm.link_model)
             for n in sizes]
 
 
@@ -87,7 +87,7 @@ def test_processes_measure_once_then_use_the_cache(cache, monkeypatch):
     first = mc.spawn(lambda c: (c.link_model, _auto_choices(c, sizes)), world_size=4,
                      transport="shm")
     saved = tuning.load_links()
-    assert set(saved["links"]) == {"shm"} and set(tuning._MACHINE_FIELDS) <= set(saved)
+    assert set(saved["links"]) == {"shm"} and set(tuning.cache._MACHINE_FIELDS) <= set(saved)
     model = first[0][0]
     assert model.alpha_intra == saved["links"]["shm"]["alpha"] and model.cores >= 1
     assert all(r == first[0] for r in first)                  # every rank: rank 0's model
@@ -99,7 +99,7 @@ def test_processes_measure_once_then_use_the_cache(cache, monkeypatch):
     os.unlink(tuning.links_path())
     monkeypatch.setenv("MINICOMM_TUNE", "0")
     off = mc.spawn(lambda c: c.link_model, world_size=2, transport="shm")[0]
-    assert off == tuning.LinkModel.for_transports("shm", "tcp", cores=off.cores)
+    assert off == cost.LinkModel.for_transports("shm", "tcp", cores=off.cores)
     assert not os.path.exists(tuning.links_path())
 
 
@@ -107,13 +107,13 @@ def test_every_rank_takes_rank_zero_s_links_and_table(cache, monkeypatch):
     """Ranks whose own measurements (and files) would differ still agree, so they pick alike."""
     def measured(comm, near, far, intra, inter):      # a different link on every rank
         return {"alpha_intra": 1e-6 * 10 ** comm.rank, "beta_intra": 1e-10 * (comm.rank + 1)}
-    monkeypatch.setattr(tuning, "_measure_links", measured)
+    monkeypatch.setattr(tuning.links, "_measure_links", measured)
     tuning.write_table([entry("allreduce", 4, 8, "ring")])
     sizes = [8 << k for k in range(0, 24, 3)]
 
     def body(comm):
         m = tuning.agree_link_model(comm, "shm", "tcp")
-        return m.alpha_intra, m.beta_intra, [tuning.choose("allreduce", 4, n, comm.topology, m)
+        return m.alpha_intra, m.beta_intra, [cost.choose("allreduce", 4, n, comm.topology, m)
                                              for n in sizes]
     got = mc.spawn(body, world_size=4, transport="inproc")
     assert all(g == got[0] for g in got)
@@ -127,8 +127,8 @@ def _logged_algorithms(err: str, coll: str):
 
 def test_auto_follows_the_table_and_minicomm_algo_overrides_it(cache, monkeypatch, capfd):
     # 8 bytes: the model picks recursive doubling; the table says ring, so auto must take ring
-    assert tuning.choose("allreduce", 2, 8, (0, 0),
-                         tuning.LinkModel.for_transports("shm", "tcp")) != "ring"
+    assert cost.choose("allreduce", 2, 8, (0, 0),
+                         cost.LinkModel.for_transports("shm", "tcp")) != "ring"
     tuning.write_table([entry("allreduce", 2, 8, "ring"), entry("allgather", 2, 8, "tree")])
     monkeypatch.setenv("MINICOMM_TUNE", "0")
     monkeypatch.setenv("MINICOMM_DEBUG", "info")
@@ -155,10 +155,10 @@ def test_measure_table_writes_what_auto_then_follows(cache, monkeypatch):
     assert [(e["collective"], e["bytes"]) for e in entries] == \
         [("allreduce", 8), ("allreduce", 4096), ("barrier", 0)]
     for e in entries:
-        assert set(e["seconds"]) == set(tuning.FAMILIES)
+        assert set(e["seconds"]) == set(cost.FAMILIES)
         assert e["best"] == min(e["seconds"], key=e["seconds"].get)
     tuning.write_table(entries)
-    got = mc.spawn(lambda c: [tuning.choose(e["collective"], 2, e["bytes"], c.topology,
+    got = mc.spawn(lambda c: [cost.choose(e["collective"], 2, e["bytes"], c.topology,
                                             c.link_model) for e in entries],
                    world_size=2, transport="shm")
     assert got[0] == got[1] == [e["best"] for e in entries]
@@ -168,13 +168,13 @@ def test_simulator_follows_the_schedule():
     """Two ranks, o per message op and latency L (α = 3o + L): an exchange step costs 3o + L;
     tree allreduce is two one-way hops, 4o + 2L; ring allreduce two exchanges, 6o + 2L."""
     o, lat = 1e-6, 5e-6
-    m = tuning.LinkModel(3 * o + lat, 0.0, 3 * o + lat, 0.0, 0.0, 0.0, o, o, 0.0, 0)
-    t = {f: tuning.schedule_time(c, f, 2, 2, (0, 0), m)
+    m = cost.LinkModel(3 * o + lat, 0.0, 3 * o + lat, 0.0, 0.0, 0.0, o, o, 0.0, 0)
+    t = {f: cost.schedule_time(c, f, 2, 2, (0, 0), m)
          for c, f in (("allgather", "rhd"), ("allreduce", "tree"), ("allreduce", "ring"))}
     assert t == pytest.approx({"rhd": 3 * o + lat, "tree": 4 * o + 2 * lat,
                                "ring": 6 * o + 2 * lat})
     # a message is copied in by its sender and out by its receiver, β/2 per byte each side
     beta = 1e-9
-    mb = tuning.LinkModel(0.0, beta, 0.0, beta, 0.0, 0.0, 0.0, 0.0, 0.0, 0)
+    mb = cost.LinkModel(0.0, beta, 0.0, beta, 0.0, 0.0, 0.0, 0.0, 0.0, 0)
     sends = [[(Send(1, "in", 0, 1000),)], [(Recv(0, "out", 0, 1000),)]]
-    assert tuning.simulate(sends, (0, 0), mb) == pytest.approx(1000 * 4 * beta)
+    assert cost.simulate(sends, (0, 0), mb) == pytest.approx(1000 * 4 * beta)

@@ -2,7 +2,11 @@
 
 ``connect`` builds the transport of one rank. ``kind`` forces one transport for every peer, or
 ``"auto"`` takes, per peer, the first transport that can reach it: shm for a peer on the same node
-(same node id in ``node_of_rank``), tcp for the others. A rank that needs more than one kind gets a
+(same node id in ``node_of_rank``), tcp for the others. Nodes are logical (``mc.spawn(...,
+nodes=k)`` emulates k of them on one machine); what a transport can physically reach is decided by
+``host_of_rank``, the machine each rank runs on (default: the node map): shm reaches only ranks of
+its own host, so forcing shm across emulated nodes of one machine works, across hosts it is a
+clear error. A rank that needs more than one kind gets a
 ``RoutedTransport``: it dispatches each request to its peer's transport, and its ``wait_all``
 progresses all of them in one loop over one shared epoll set (progress.py), so a hierarchical
 algorithm's intra-node and inter-node messages move at the same time.
@@ -14,7 +18,7 @@ engine interface of progress.py (``progress()``, ``check(req, what)``) on a shar
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from .base import Request, Tag, Transport
 from .progress import Progress
@@ -39,27 +43,39 @@ _BUILDERS: Dict[str, Callable[..., Transport]] = {"shm": _build_shm, "tcp": _bui
 _AUTO_ORDER = (("shm", lambda mine, theirs: mine == theirs),
                ("tcp", lambda mine, theirs: True))
 
+# Kinds that physically reach only ranks on the same host (shared memory).
+_SAME_HOST = frozenset({"shm"})
+
 
 def _left(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
 
 def connect(kind: str, rank: int, size: int, store, job_id: str, token: bytes,
-            node_of_rank: Sequence, timeout: float, bind_host: str = "127.0.0.1") -> Transport:
-    """The transport of ``rank``: ``kind`` is "auto", or one of ``_BUILDERS`` for every peer."""
+            node_of_rank: Sequence, timeout: float, bind_host: str = "127.0.0.1",
+            host_of_rank: Optional[Sequence] = None) -> Transport:
+    """The transport of ``rank``: ``kind`` is "auto", or one of ``_BUILDERS`` for every peer.
+    ``node_of_rank``: the logical node of every rank; ``host_of_rank``: the physical host of
+    every rank (None: the node map, i.e. every node its own host)."""
     nodes = list(node_of_rank)
-    if len(nodes) != size:
-        raise ValueError(f"node_of_rank has {len(nodes)} entries for a world of {size}")
+    hosts = nodes if host_of_rank is None else list(host_of_rank)
+    if len(nodes) != size or len(hosts) != size:
+        raise ValueError(f"node_of_rank / host_of_rank have {len(nodes)} / {len(hosts)} entries "
+                         f"for a world of {size}")
     peers = [r for r in range(size) if r != rank]
+
+    def reachable(k: str, r: int) -> bool:
+        return k not in _SAME_HOST or hosts[r] == hosts[rank]
     if kind == "auto":
         routes: Dict[str, List[int]] = {}
         for r in peers:
-            k = next(k for k, reaches in _AUTO_ORDER if reaches(nodes[rank], nodes[r]))
+            k = next(k for k, reaches in _AUTO_ORDER
+                     if reaches(nodes[rank], nodes[r]) and reachable(k, r))
             routes.setdefault(k, []).append(r)
     elif kind in _BUILDERS:
-        if kind == "shm" and any(nodes[r] != nodes[rank] for r in peers):
-            others = [r for r in peers if nodes[r] != nodes[rank]]
-            raise ValueError(f"transport 'shm' cannot reach ranks {others} on other nodes; "
+        others = [r for r in peers if not reachable(kind, r)]
+        if others:
+            raise ValueError(f"transport {kind!r} cannot reach ranks {others} on other hosts; "
                              f"use 'auto' or 'tcp'")
         routes = {kind: peers}
     else:
@@ -113,6 +129,16 @@ class RoutedTransport(Transport):
 
     def wait_all(self, requests: List[Request], deadline: float, what: str) -> None:
         self._progress.wait(requests, deadline, what)
+
+    def wait_any(self, requests: List[Request], deadline: float, what: str) -> None:
+        self._progress.wait(requests, deadline, what, any_done=True)
+
+    def cancel_context(self, ctx: int, error: BaseException) -> None:
+        for t in self._transports.values():
+            t.cancel_context(ctx, error)
+
+    def detach(self, req: Request):
+        return self._route(req.peer).detach(req)
 
     def describe(self) -> str:
         return f"rank {self.rank}: " + ", ".join(f"{k} to {self._routes[k]}"

@@ -64,7 +64,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Dict, List, Sequence, Tuple
 
-from ..schedule import (IN, OUT, ROOTED, TMP, Copy, Schedule, ScheduleBuilder, Topology, embed)
+from ..schedule import IN, OUT, ROOTED, TMP, Copy, Schedule, ScheduleBuilder, Topology, embed
+from . import rhd, ring
 
 INTRA = "ring"
 INTER = "rhd"
@@ -143,9 +144,12 @@ def _phase(b: ScheduleBuilder, coll: str, fam: str, group: Sequence[int], sub_ra
     b.extend(embed(sub, group, {IN: inb, OUT: outb, TMP: (TMP, b.alloc_tmp(sub.tmp_count))}))
 
 
+_FLAT = {"ring": ring, "rhd": rhd}      # INTRA and INTER (the registry imports this module)
+
+
+@lru_cache(maxsize=4096)
 def _flat(coll: str, fam: str, rank: int, size: int, count: int, root: int) -> Schedule:
-    from . import build_schedule   # the registry imports this module: resolve it at call time
-    return build_schedule(coll, fam, rank, size, count, root)
+    return _FLAT[fam].build(coll, rank, size, count, root, (0,) * size)
 
 
 def _copies(src: str, dst: str, moves, n: int) -> List[Copy]:

@@ -49,8 +49,19 @@ from __future__ import annotations
 
 from typing import Callable, List, Sequence, Tuple
 
-from ..schedule import (IN, OUT, TMP, Copy, Op, Recv, Reduce, Schedule, ScheduleBuilder, Send,
-                        chunk_bounds)
+from ..schedule import (
+    IN,
+    OUT,
+    TMP,
+    Copy,
+    Op,
+    Recv,
+    Reduce,
+    Schedule,
+    ScheduleBuilder,
+    Send,
+    chunk_bounds,
+)
 
 ALGORITHM = "rhd"
 

@@ -33,8 +33,7 @@ from __future__ import annotations
 
 from typing import Callable, List, Tuple
 
-from ..schedule import (IN, OUT, TMP, Copy, Recv, Schedule, ScheduleBuilder, Send,
-                        chunk_bounds)
+from ..schedule import IN, OUT, TMP, Copy, Recv, Schedule, ScheduleBuilder, Send, chunk_bounds
 
 # Broadcast segment size in elements: large enough to amortise α, small enough to pipeline.
 SEGMENT = 32768

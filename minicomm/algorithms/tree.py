@@ -46,8 +46,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
-from ..schedule import (IN, OUT, TMP, Copy, Op, Recv, Schedule, ScheduleBuilder, Send,
-                        Topology)
+from ..schedule import IN, OUT, TMP, Copy, Op, Recv, Schedule, ScheduleBuilder, Send, Topology
 
 ALGORITHM = "tree"
 

@@ -65,7 +65,7 @@ class ScheduleError(ValueError):
 
 
 def busbw_factor(collective: str, n: int) -> float:
-    """nccl-tests' bus-bandwidth factors (the same as minicomm.bench.busbw_factor)."""
+    """nccl-tests' bus-bandwidth factors (the same as minicomm.tools.bench.busbw_factor)."""
     if n <= 0:
         raise ValueError("world size must be positive")
     if collective == "allreduce":

@@ -24,11 +24,9 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-import numpy as np
-
 from .engine import simulate
 from .presets import get_topology
-from .topology import Fabric, Topology
+from .topology import Topology
 
 GPT3_PARAMS = 175e9
 FP16 = 2
@@ -80,8 +78,8 @@ def explain(topo: Optional[Topology] = None, simulate_calls: bool = True) -> str
         f"(+ latency; phases run one after the other)")
     out(f"  flat / hier ~ {t_ring / t_hier:.1f}x")
     out("")
-    out(f'"89.6 TB" = 256 x 350 GB = 2 x 128 x S: the bytes crossing the network for ONE '
-        f"allreduce of S among 128 servers, with")
+    out('"89.6 TB" = 256 x 350 GB = 2 x 128 x S: the bytes crossing the network for ONE '
+        "allreduce of S among 128 servers, with")
     out("  - S = 350 GB (fp16, decimal GB), 128 servers (1,024 GPUs / 8), every byte counted once "
         "as it is sent (not again when received),")
     out("  - each server sending ~2S: its reduce-scatter and allgather shares, the (p-1)/p factor "

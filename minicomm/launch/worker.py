@@ -1,4 +1,4 @@
-"""Child side of ``mc.spawn``: ``python -m minicomm._worker`` (not a public entry point).
+"""Child side of ``mc.spawn``: ``python -m minicomm.launch.worker`` (not a public entry point).
 
 Reads its configuration and the cloudpickled (fn, args) from stdin, runs ``fn(comm, *args)``, and
 writes one record — ("ok", result) or ("error", (time, summary, lost_a_peer, traceback)) — to the
@@ -45,9 +45,10 @@ def main() -> int:
     threading.Thread(target=_watch_parent, args=(stdin,), daemon=True).start()
     out_fd = cfg["result_fd"]
     comm = None
+    code = 1
     try:
         fn, args = cloudpickle.loads(blob)
-        from minicomm.launch import connect_world
+        from minicomm.launch.world import connect_world
         comm = connect_world(cfg)
         record = ("ok", fn(comm, *args))
         code = 0
@@ -59,6 +60,10 @@ def main() -> int:
     finally:
         if comm is not None:
             try:
+                if code != 0:
+                    # a failing rank is not a finished one: peers must see a failure (abort),
+                    # not the orderly goodbye that close() sends
+                    comm.transport.abort(record[1][1])
                 comm.close()
             except Exception:
                 pass

@@ -1,11 +1,11 @@
 """Multi-host launcher: ``minicomm run --hosts a:2,b:2 | --hostfile FILE script.py args``.
 
 The launcher serves the job's rendezvous store on an address every host reaches, then opens
-one ssh session per host (all in parallel) running ``python -m minicomm.agent`` and writes the
+one ssh session per host (all in parallel) running ``python -m minicomm.launch.agent`` and writes the
 host's part of the job to the session's stdin as one JSON line — the job token travels only
 there, never on a command line or in a file. Ranks are laid out in blocks by host: host i of
 the list (``MINICOMM_NODE=i``) runs the next ``slots`` consecutive ranks, ``local_rank`` being
-the index inside the host. The agent (see ``minicomm.agent`` for the protocol) starts the
+the index inside the host. The agent (see ``minicomm.launch.agent`` for the protocol) starts the
 ranks, streams their output back as ``[rank] line`` and reports every rank's end.
 
 Failure policy. The first failure the launcher hears of is the root cause: a rank that ended
@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..rendezvous import StoreServer
 from .agent import EVENT
 
 LAUNCH_FAILURE = 255     # status when a host could not be started or was lost
@@ -49,6 +50,8 @@ SSH_SAYS_WHY = 2.0       # extra seconds for ssh to report its own connect timeo
 SIGNAL_GRACE = 10.0      # after a relayed Ctrl-C/SIGTERM, ranks still running are ended
 AGENT_GRACE = 5.0        # after kill_grace, how long agents get to report before ssh is killed
 TAIL_SHOWN = 10          # stderr lines of the failing rank repeated in the final error
+# The directory holding this ``minicomm`` package: the hosts' PYTHONPATH, so they import this copy.
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 HostList = List[Tuple[str, int]]
 
@@ -172,7 +175,6 @@ def reachable_address(hosts: Sequence[str], ssh: str = "ssh", ssh_opts: Sequence
 
 
 def _start_store(master_addr: str, token: bytes):
-    from .rendezvous import StoreServer
     try:
         return StoreServer(master_addr, 0, token)
     except OSError:      # not an address of this machine (NAT, a name): listen everywhere
@@ -182,7 +184,7 @@ def _start_store(master_addr: str, token: bytes):
 def remote_command(python: str, pythonpath: str, *agent_args: str) -> str:
     """The shell command ssh runs on a host: the agent, able to import this minicomm."""
     return (f"export PYTHONPATH={shlex.quote(pythonpath)}${{PYTHONPATH:+:$PYTHONPATH}}; "
-            f"exec {' '.join(map(shlex.quote, (python, '-m', 'minicomm.agent', *agent_args)))}")
+            f"exec {' '.join(map(shlex.quote, (python, '-m', 'minicomm.launch.agent', *agent_args)))}")
 
 
 # ------------------------------------------------------------------------ the launch
@@ -438,8 +440,7 @@ def run_multihost(hosts: HostList, argv: Sequence[str], env_extra: Optional[Dict
     token = secrets.token_bytes(32)
     job_id = secrets.token_hex(6)
     store = _start_store(master_addr, token)
-    import minicomm
-    pythonpath = os.path.dirname(os.path.dirname(os.path.abspath(minicomm.__file__)))
+    pythonpath = PACKAGE_PARENT
     command = remote_command(python, pythonpath)
     # Our two options come first: for ssh the first value of an option wins.
     base = [ssh, "-T", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, math.ceil(connect_timeout))}",
@@ -514,5 +515,5 @@ def main_from_cli(a, hosts: HostList, argv: Sequence[str]) -> int:
 
 
 _PER_JOB = {"MINICOMM_RANK", "MINICOMM_SIZE", "MINICOMM_LOCAL_RANK", "MINICOMM_LOCAL_SIZE",
-            "MINICOMM_NODE", "MINICOMM_NUM_NODES", "MINICOMM_MASTER_ADDR", "MINICOMM_MASTER_PORT",
+            "MINICOMM_NODE", "MINICOMM_HOST", "MINICOMM_NUM_NODES", "MINICOMM_MASTER_ADDR", "MINICOMM_MASTER_PORT",
             "MINICOMM_JOB_TOKEN", "MINICOMM_JOB_ID", "MINICOMM_SSH"}

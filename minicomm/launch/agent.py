@@ -1,4 +1,5 @@
-"""Per-host agent of the ssh launcher: ``python -m minicomm.agent`` (started by ``sshlaunch``).
+"""Per-host agent of the ssh launcher: ``python -m minicomm.launch.agent`` (started by
+``minicomm.launch.ssh``).
 
 Protocol, over the ssh session's pipes (nothing secret ever appears on a command line):
 
@@ -22,7 +23,7 @@ agent is single-threaded (ranks are forked with a pre-exec hook that arms PR_SET
 which is safe only without threads): if the agent itself is SIGKILLed, the kernel kills its
 ranks. On every exit path the ranks are reaped and /dev/shm/minicomm-<job_id>-* is swept.
 Exit status: the first non-zero rank status (128+N for a rank killed by signal N), else 0.
-``python -m minicomm.agent --sweep JOB_ID`` only sweeps the segments (after a lost agent).
+``python -m minicomm.launch.agent --sweep JOB_ID`` only sweeps the segments (after a lost agent).
 """
 from __future__ import annotations
 
@@ -117,6 +118,7 @@ class Agent:
         master = job["master_addr"], str(job["master_port"])
         env.update(MINICOMM_SIZE=str(job["world_size"]), MINICOMM_LOCAL_SIZE=str(job["local_size"]),
                    MINICOMM_NODE=str(job["node"]), MINICOMM_NUM_NODES=str(job["num_nodes"]),
+                   MINICOMM_HOST=str(job["node"]),     # each host of the list is a machine
                    MINICOMM_MASTER_ADDR=master[0], MINICOMM_MASTER_PORT=master[1],
                    MASTER_ADDR=master[0], MASTER_PORT=master[1],
                    MINICOMM_JOB_TOKEN=job["token"], MINICOMM_JOB_ID=job["job_id"])
@@ -301,7 +303,7 @@ def main() -> int:
     out, err = sys.stdout.buffer, sys.stderr.buffer
     if sys.argv[1:2] == ["--sweep"]:            # the launcher cleaning up after a lost agent
         if len(sys.argv) != 3 or not JOB_ID_RE.match(sys.argv[2]):
-            err.write(b"usage: python -m minicomm.agent [--sweep JOB_ID]\n")
+            err.write(b"usage: python -m minicomm.launch.agent [--sweep JOB_ID]\n")
             return 2
         sweep_segments(sys.argv[2])
         return 0

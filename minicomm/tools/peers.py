@@ -27,54 +27,22 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import List, Optional
+from typing import List
 
 import numpy as np
 
-from .bench import BenchConfig, BenchError, Buffers, Call, rank_main
-
-MPI_OPS = {"sum": "SUM", "prod": "PROD", "min": "MIN", "max": "MAX", "band": "BAND",
-           "bor": "BOR", "bxor": "BXOR"}
-GLOO_OPS = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "band": "BAND",
-            "bor": "BOR", "bxor": "BXOR"}
-
-
-def mpi_available() -> Optional[str]:
-    """None when mpi4py and an mpiexec can be used, else why not."""
-    try:
-        import mpi4py  # noqa: F401  (the MPI module itself initialises MPI: import it in ranks)
-    except ImportError:
-        return "mpi4py is not installed (pip install 'minicomm[peers]')"
-    if find_mpiexec() is None:
-        return "no mpiexec found (pip install mpich puts one beside the interpreter)"
-    return None
-
-
-def gloo_available() -> Optional[str]:
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return "torch is not installed (pip install torch; the CPU build is enough)"
-    if not dist.is_available() or not dist.is_gloo_available():
-        return "this torch build has no gloo backend"
-    return None
-
-
-def find_mpiexec() -> Optional[str]:
-    """The mpiexec of the environment mpi4py is installed in (the mpich wheel's), else PATH's."""
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if os.access(here, os.X_OK):
-        return here
-    return shutil.which("mpiexec")
-
-
-def check_supported(peer: str, op: str, dtype: str) -> None:
-    why = mpi_available() if peer == "mpi" else gloo_available()
-    if why:
-        raise BenchError(f"--peers {peer}: {why}")
-    table = MPI_OPS if peer == "mpi" else GLOO_OPS
-    if op not in table:
-        raise BenchError(f"--peers {peer}: the peer has no {op!r} reduction")
+from .benchspec import (  # noqa: F401
+    GLOO_OPS,
+    MPI_OPS,
+    BenchConfig,
+    BenchError,
+    Buffers,
+    Call,
+    check_supported,
+    find_mpiexec,
+    gloo_available,
+    mpi_available,
+)
 
 
 def start(peer: str, comm, cfg: BenchConfig, mpi_comm=None):
@@ -278,12 +246,13 @@ class GlooRunner:
 
 
 # ------------------------------------------------------------------------ mpiexec launch
-def run_under_mpiexec(cfg: BenchConfig) -> List[dict]:
-    """Start cfg.nranks ranks with mpiexec; each joins a minicomm world through a store this
+def run_under_mpiexec(cfg: BenchConfig, rank_module: str) -> List[dict]:
+    """Start cfg.nranks ranks with mpiexec, each running ``python -m rank_module CONFIG OUT`` (the
+    benchmark driver's MPI rank entry); each joins a minicomm world through a store this
     process hosts (the same authenticated rendezvous ``minicomm run`` uses) and runs the bench;
     rank 0 writes its rows to a file we read back."""
-    from .launch import _sweep
-    from .rendezvous import StoreServer
+    from ..launch.local import _sweep
+    from ..rendezvous import StoreServer
     mpiexec = find_mpiexec()
     token = secrets.token_bytes(32)
     job_id = secrets.token_hex(6)
@@ -304,7 +273,7 @@ def run_under_mpiexec(cfg: BenchConfig) -> List[dict]:
         env.setdefault("MPIR_CVAR_NOLOCAL", "1")
         env.setdefault("UCX_TLS", "tcp,self")
         env.setdefault("FI_PROVIDER", "tcp")
-    cmd = [mpiexec, "-n", str(cfg.nranks), sys.executable, "-m", "minicomm.peers", cfg_path,
+    cmd = [mpiexec, "-n", str(cfg.nranks), sys.executable, "-m", rank_module, cfg_path,
            out_path]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
@@ -325,30 +294,3 @@ def run_under_mpiexec(cfg: BenchConfig) -> List[dict]:
         server.close()
         _sweep(job_id)
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _mpi_rank(cfg_path: str, out_path: str) -> int:
-    """One rank of ``run_under_mpiexec``: MPI first (mpiexec's PMI), then the minicomm world."""
-    from mpi4py import MPI
-    from .launch import init, node_map
-    with open(cfg_path) as f:
-        cfg = BenchConfig(**json.load(f))
-    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-    os.environ.update(MINICOMM_RANK=str(rank), MINICOMM_SIZE=str(size),
-                      MINICOMM_NODE=str(node_map(size, cfg.nodes)[rank]))
-    comm = init(transport=cfg.transport, timeout=cfg.timeout)
-    try:
-        rows = rank_main(comm, cfg, mpi_comm=MPI.COMM_WORLD)
-        if rank == 0:
-            tmp = out_path + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(rows, f)
-            os.replace(tmp, out_path)
-    finally:
-        comm.close()
-    return 0
-
-
-if __name__ == "__main__":
-    from minicomm import peers as _self     # the package's module, not a second __main__ copy
-    sys.exit(_self._mpi_rank(sys.argv[1], sys.argv[2]))

@@ -1,8 +1,9 @@
-"""Starting worlds: ``spawn`` (threads or fresh processes), ``init`` (inside a launched process).
+"""Starting worlds on this machine: ``spawn`` (threads or fresh processes) and ``run_local``
+(``minicomm run -n N script.py``).
 
-Process worlds: the parent hosts the rendezvous store (authenticated with a fresh job token), starts
-``world_size`` interpreters running ``python -m minicomm._worker``, and hands each its function,
-arguments and configuration over its stdin (cloudpickle; the token never appears on a command
+Process worlds: the parent hosts the rendezvous store (authenticated with a fresh job token),
+starts ``world_size`` interpreters running ``python -m minicomm.launch.worker``, and hands each
+its function, arguments and configuration over its stdin (cloudpickle; the token never appears on a command
 line). Each child writes one result record to a private pipe. The child keeps reading its stdin:
 end-of-file means the parent is gone, and the child exits rather than linger as an orphan.
 
@@ -17,29 +18,24 @@ import os
 import secrets
 import selectors
 import signal
+import socket
 import struct
 import subprocess
 import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import cloudpickle
 
-from .communicator import Communicator
-from .errors import CommError, PeerFailure, SpawnError
-from .tuning import LinkModel, agree_link_model
+from ..communicator import Communicator
+from ..cost import LinkModel
+from ..errors import CommError, PeerFailure, SpawnError
+from ..rendezvous import StoreServer
+from .world import TRANSPORTS, node_map
 
-TRANSPORTS = ("auto", "shm", "tcp", "rdma", "ub", "inproc")
 FAILURE_GRACE = 5.0     # seconds the surviving ranks get to notice a failure by themselves
-
-
-def node_map(world_size: int, nodes: int) -> Tuple[int, ...]:
-    """``nodes`` emulated nodes as blocks of consecutive ranks (sizes differ by at most one)."""
-    if not 1 <= nodes <= max(1, world_size):
-        raise ValueError(f"nodes={nodes} must be between 1 and world_size={world_size}")
-    return tuple(r * nodes // world_size for r in range(world_size))
 
 
 # ---------------------------------------------------------------------------------- spawn
@@ -74,7 +70,7 @@ def _raise_spawn_error(failures, world_size: int):
 
 
 def _spawn_threads(fn, world_size, args, topology, timeout):
-    from .transports.inproc import Fabric, InprocTransport
+    from ..transports.inproc import Fabric, InprocTransport
     fabric = Fabric(world_size)
     results: List[Any] = [None] * world_size
     failures = []
@@ -113,7 +109,7 @@ def _spawn_threads(fn, world_size, args, topology, timeout):
 
 def _sweep(job_id: str) -> None:
     try:
-        from .transports.shm import sweep_job_segments
+        from ..transports.shm import sweep_job_segments
     except ImportError:       # shm transport not available: nothing of ours can be in /dev/shm
         return
     sweep_job_segments(job_id)
@@ -124,8 +120,8 @@ last_job_id: Optional[str] = None   # of the latest process job (tests check it 
 
 def _spawn_processes(fn, world_size, args, transport, topology, timeout):
     global last_job_id
-    from .rendezvous import StoreServer
     job_id = last_job_id = secrets.token_hex(6)
+    host = socket.gethostname()
     token = secrets.token_bytes(32)
     server = StoreServer("127.0.0.1", 0, token)
     blob = cloudpickle.dumps((fn, args))
@@ -135,11 +131,12 @@ def _spawn_processes(fn, world_size, args, transport, topology, timeout):
         for rank in range(world_size):
             rfd, wfd = os.pipe()
             cfg = dict(rank=rank, size=world_size, node=topology[rank], topology=topology,
+                       hosts=(host,) * world_size,      # emulated nodes, one machine
                        master_addr="127.0.0.1", master_port=server.port, token=token.hex(),
                        job_id=job_id, transport=transport, timeout=timeout, result_fd=wfd,
                        sys_path=list(sys.path), cwd=os.getcwd())
             payload = cloudpickle.dumps(cfg) + blob
-            p = subprocess.Popen([sys.executable, "-m", "minicomm._worker"], stdin=subprocess.PIPE,
+            p = subprocess.Popen([sys.executable, "-m", "minicomm.launch.worker"], stdin=subprocess.PIPE,
                                  pass_fds=(wfd,), cwd=os.getcwd())
             os.close(wfd)
             readers[rank] = rfd
@@ -224,102 +221,12 @@ def _collect(procs, readers, world_size, timeout):
     return results
 
 
-# ---------------------------------------------------------------------------------- init
-def _env_int(*names: str) -> Optional[int]:
-    for n in names:
-        v = os.environ.get(n)
-        if v not in (None, ""):
-            return int(v)
-    return None
-
-
-def init(transport: Optional[str] = None, timeout: Optional[float] = None) -> Communicator:
-    """The world communicator of a process started by ``minicomm run``, torchrun, mpirun or srun."""
-    rank = _env_int("MINICOMM_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
-    size = _env_int("MINICOMM_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
-    if rank is None or size is None:
-        raise CommError("mc.init(): no launcher environment found (MINICOMM_RANK/SIZE, RANK/"
-                        "WORLD_SIZE, OMPI_COMM_WORLD_*, PMI_*, SLURM_*); start the script with "
-                        "`minicomm run -n N script.py` or use mc.spawn")
-    addr = os.environ.get("MINICOMM_MASTER_ADDR") or os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = _env_int("MINICOMM_MASTER_PORT")
-    foreign = port is None
-    if foreign:
-        base = _env_int("MASTER_PORT")
-        if base is None:
-            raise CommError("mc.init(): MASTER_PORT (or MINICOMM_MASTER_PORT) is not set")
-        # torchrun's agent already serves its own store on MASTER_PORT: use the next port.
-        port = base + (1 if os.environ.get("TORCHELASTIC_RUN_ID") else 0)
-    token_hex = os.environ.get("MINICOMM_JOB_TOKEN")
-    if token_hex:
-        token = bytes.fromhex(token_hex)
-    else:
-        # Foreign launchers give no secret: derive one all ranks share (no protection against a
-        # local attacker — say so once).
-        token = f"minicomm:{addr}:{port}:{size}".encode()
-        if rank == 0:
-            print("minicomm: no MINICOMM_JOB_TOKEN set; connections are authenticated with a "
-                  "token derived from MASTER_ADDR/PORT only", file=sys.stderr)
-    node = os.environ.get("MINICOMM_NODE")
-    if node is None:
-        import socket
-        node = socket.gethostname()
-    cfg = dict(rank=rank, size=size, node=node, topology=None, master_addr=addr,
-               master_port=port, token=token.hex(), host_store=foreign and rank == 0,
-               job_id=os.environ.get("MINICOMM_JOB_ID") or f"{port}",
-               transport=transport or os.environ.get("MINICOMM_TRANSPORT", "auto"),
-               timeout=timeout)
-    return connect_world(cfg)
-
-
-def connect_world(cfg: Dict[str, Any]) -> Communicator:
-    """Build the world communicator from a configuration (from ``spawn`` or ``init``)."""
-    from .rendezvous import StoreClient, StoreServer
-    rank, size = cfg["rank"], cfg["size"]
-    token = bytes.fromhex(cfg["token"])
-    timeout = cfg.get("timeout")
-    env_timeout = os.environ.get("MINICOMM_TIMEOUT")
-    setup_timeout = float(timeout if timeout is not None else env_timeout or 300.0)
-    kind = cfg["transport"]
-    if kind not in TRANSPORTS or kind == "inproc":
-        raise ValueError(f"transport {kind!r} cannot connect processes; choose auto, shm or tcp")
-    server = None
-    if cfg.get("host_store"):
-        server = StoreServer("0.0.0.0", cfg["master_port"], token)
-    store = StoreClient(cfg["master_addr"], cfg["master_port"], token, timeout=setup_timeout)
-    topology = cfg.get("topology")
-    if topology is None:
-        store.set(f"node/{rank}", str(cfg["node"]).encode())
-        names = [store.get(f"node/{r}").decode() for r in range(size)]
-        topology = tuple(names.index(n) for n in names)
-    from .transports import connect
-    bind = os.environ.get("MINICOMM_BIND") or os.environ.get("MINICOMM_SOCKET_IFNAME_ADDR")
-    t = connect(kind, rank, size, store, cfg["job_id"], token, tuple(topology), setup_timeout,
-                bind_host=bind or ("127.0.0.1" if cfg["master_addr"] in ("127.0.0.1", "localhost")
-                                   else "0.0.0.0"))
-    intra = "tcp" if kind == "tcp" else kind if kind in ("rdma", "ub") else "shm"
-    inter = kind if kind in ("tcp", "rdma", "ub") else "tcp"
-    comm = Communicator(t, rank, size, topology=topology, timeout=timeout,
-                        link_model=LinkModel.for_transports(intra, inter))
-    comm._store, comm._store_server = store, server
-    try:
-        # rank 0's measured (or cached) links and tuned table, so auto agrees on every rank
-        comm.link_model = agree_link_model(comm, intra, inter)
-    except BaseException:
-        comm.close()
-        raise
-    if comm.debug_info and hasattr(t, "describe"):
-        comm._log(f"transports: {t.describe()}")
-    return comm
-
-
 # ---------------------------------------------------------------------------------- run -n
 def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str = "auto",
               timeout: Optional[float] = None, python: str = sys.executable,
               out=None) -> int:
     """``minicomm run -n N script.py args`` on this box: start N ranks, prefix their output with
     ``[rank]``, end them all when one fails or on Ctrl-C/SIGTERM; return the exit status."""
-    from .rendezvous import StoreServer
     out = out or sys.stdout.buffer
     topology = node_map(nprocs, nodes)
     job_id = secrets.token_hex(6)
@@ -341,6 +248,7 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
             env = dict(os.environ, MINICOMM_RANK=str(rank), MINICOMM_SIZE=str(nprocs),
                        MINICOMM_LOCAL_RANK=str(same.index(rank)), MINICOMM_LOCAL_SIZE=str(len(same)),
                        MINICOMM_NODE=str(node), MINICOMM_NUM_NODES=str(nodes),
+                       MINICOMM_HOST=socket.gethostname(),    # the nodes are emulated: one host
                        MINICOMM_MASTER_ADDR="127.0.0.1", MINICOMM_MASTER_PORT=str(server.port),
                        MINICOMM_JOB_TOKEN=token.hex(), MINICOMM_JOB_ID=job_id,
                        MINICOMM_TRANSPORT=transport, PYTHONUNBUFFERED="1")
@@ -352,6 +260,7 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
             for stream in (p.stdout, p.stderr):
                 sel.register(stream, selectors.EVENT_READ, (rank, stream, bytearray()))
         open_streams = 2 * nprocs
+        closed: Dict[int, int] = {}      # rank -> order in which its output first ended
         failed_at = None
         while open_streams or any(p.poll() is None for p in procs):
             if stop["signal"] is not None and failed_at is None:
@@ -370,6 +279,7 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
                         out.write(b"[%d] " % rank + bytes(pending) + b"\n")
                     sel.unregister(stream)
                     open_streams -= 1
+                    closed.setdefault(rank, len(closed))
                     continue
                 pending += data
                 *lines, rest = bytes(pending).split(b"\n")
@@ -377,9 +287,14 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
                 for line in lines:
                     out.write(b"[%d] " % rank + line + b"\n")
                 out.flush()
-            for rank, p in enumerate(procs):
-                rc = p.poll()
-                if rc not in (None, 0) and failed_at is None:
+            # The first rank to fail is the root cause; the others may only have lost it. Ranks
+            # found dead in one pass are ordered by when their output ended (the epoll ready
+            # list keeps that order), not by rank.
+            dead = [(closed.get(r, len(procs)), r) for r, p in enumerate(procs)
+                    if p.poll() not in (None, 0)]
+            for _, rank in sorted(dead)[:1]:
+                rc = procs[rank].poll()
+                if failed_at is None:
                     failed_at = time.monotonic()
                     exit_code = rc if rc > 0 else 128 - rc
                     msg = f"minicomm run: rank {rank} exited with status {rc}; ending the job\n"

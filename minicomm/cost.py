@@ -1,0 +1,321 @@
+"""The cost model ``algorithm="auto"`` consults: pure functions of schedules and link parameters.
+
+It imports nothing above the simulator engine (``minicomm.sim``), ``minicomm.algorithms`` and
+``minicomm.schedule`` and starts nothing.
+Measuring links and timing algorithms (which starts ranks) is ``minicomm.tuning``, above the
+communicator and the launcher: it fills in a ``LinkModel`` (and its tuned table) that this module
+only reads.
+
+How auto picks a family for (collective, world size p, message bytes, topology):
+
+1. ``MINICOMM_ALGO`` and the per-call ``algorithm=`` win over everything (the communicator checks
+   them before asking this module).
+2. The tuned table (``minicomm bench --tune``, or ``minicomm.tuning.measure_table`` +
+   ``write_table``), when it has an entry for this collective, world size, node layout and
+   transports whose size is within a factor of 2 of the call's (the nearest in log scale;
+   equally near: the smaller).
+3. Otherwise the cost model: every family's schedules for all p ranks are *simulated* (the
+   schedule is data: the simulator walks the real steps, so rhd's switch between recursive
+   doubling and Rabenseifner, ring broadcast's segments, tree's serial sends and hier's phases
+   are costed as they run). p > ``SIM_MAX_RANKS`` uses the closed-form costs ``flat_cost`` /
+   ``hier_cost`` (Thakur, Rabenseifner, Gropp 2005) instead.
+
+The simulator (``schedule_time`` / ``simulate``) is the simulator engine's (minicomm.sim.engine,
+the same engine ``minicomm sim`` runs clusters on): the schedules are compiled by it and run on
+its host machine (``run_host``; ``host_model`` maps a LinkModel onto it). Each rank is a process
+that works on a CPU or waits, and runs its steps as the executor does: local ops (Copy δ, Reduce γ per byte) and posting
+its receives (o each); its sends, eager (shm rings and socket buffers take them): o plus the
+copy-in, β/2 per byte, the message visible to its receiver ``lat`` = α - 3o after its first piece
+(shm: 1 MiB records; so small messages are store-and-forward, large ones pipelined); then its
+receives in arrival order: o plus the copy-out, β/2 per byte (a reducing receive max(β/2, γ): it
+reduces straight out of the landing memory), the last piece no earlier than the sender copied it
+in. FIFO matching per pair. A waiting rank spins for the model's ``spin``, then sleeps: the
+message that wakes it costs ``wake`` more when the rank has a core to itself (an idle core must be
+woken). A node's ranks share its ``cores`` (fluid processor sharing among working and spinning
+ranks; work on a shared core is ``SHARING_LOSS`` less efficient; k ranks working at once slow
+each other down by 1 + contention·(k-1): shared memory bandwidth, or virtual CPUs that are not
+independent), so an algorithm that keeps few ranks busy at once (tree) is costed as it runs. The
+call's time is the last rank's end. Schedules are built with 4-byte elements (auto sees bytes,
+not the dtype).
+
+Link parameters (``LinkModel``): per link class (intra-node, inter-node) α (one exchange step), β
+(s/byte) and o (CPU per message operation); γ (in-place add, s/byte of array), δ (memcpy), wake,
+contention, the node's cores and the transports' spin before sleeping; ``table``, the tuned
+table's lookup (``table_index`` of ``minicomm.tuning.load_table``'s entries). Without a
+measurement, ``LinkModel.for_transports`` gives the constants ``DEFAULT_LINKS``, ``GAMMA``,
+``DELTA``, ``WAKE``. Transport facts the model mirrors (``SPIN_S``, ``PIPELINE_CHUNK``) are
+constants here, not imports (the transports are not below this layer); a test keeps them equal.
+
+Cost: ``choose`` is one dict lookup after the first call per (collective, p, bytes, topology); a
+first call simulates every family's p schedules (a few ms at p = 16).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+from .algorithms import FAMILIES
+from .sim import engine
+from .sim.engine import HostLink, HostModel
+
+# Defaults for MINICOMM_TUNE=0 (and before agreement): α = cost of one communicating step (s),
+# bytes/s, o = CPU per message operation (s).
+DEFAULT_LINKS: Dict[str, Tuple[float, float, float]] = {
+    "inproc": (30e-6, 2.0e9, 5e-6),
+    "shm": (8e-6, 3.0e9, 2e-6),
+    "tcp": (30e-6, 1.2e9, 4e-6),
+    "rdma": (10e-6, 3.0e9, 2e-6),
+    "ub": (8e-6, 3.0e9, 2e-6),
+}
+GAMMA = 1 / 6.0e9     # in-place add, s per byte of array
+DELTA = 1 / 7.0e9     # memcpy, s per byte
+WAKE = 60e-6          # extra latency of a message to a rank asleep in the kernel
+
+ITEMSIZE = 4               # auto sees bytes; schedules are built with float32-sized elements
+SIM_MAX_RANKS = 16         # simulate up to this many ranks (a few ms per new size), formulas above
+# A receiver sees a message piece by piece: shm publishes records of up to 1 MiB (transports/
+# shm.py CHUNK), a socket delivers what has arrived.
+PIPELINE_CHUNK = {"shm": 1 << 20}
+STREAM_CHUNK = 64 << 10
+# How long a waiting rank spins before it sleeps in the kernel: transports/progress.py SPIN_S
+# (mirrored, not imported: transports are not below the cost model).
+SPIN_S = 50e-6
+# Work on a core shared by several ranks runs at share / (1 + SHARING_LOSS * (1 - share)): time
+# slicing costs switches and cache refills. Fitted on the 2-core reference box (4 ranks on 2
+# cores: any value in 0.5..2 makes the model pick the measured best); not measured at start.
+SHARING_LOSS = 1.0
+
+TableKey = Tuple[str, int, Tuple[int, ...], str, str]   # collective, world, topology, intra, inter
+
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    alpha_intra: float     # seconds per communicating step (the formulas' α)
+    beta_intra: float      # seconds per byte
+    alpha_inter: float
+    beta_inter: float
+    gamma: float = GAMMA
+    delta: float = DELTA
+    overhead_intra: float = DEFAULT_LINKS["shm"][2]
+    overhead_inter: float = DEFAULT_LINKS["tcp"][2]
+    wake: float = WAKE
+    contention: float = 0.0    # k ranks working at once on a node each run 1 + c(k-1) slower
+    cores: int = 0         # CPU cores of a node (0: as many as ranks, no sharing)
+    intra: str = "shm"     # transport names, the tuned table's key
+    inter: str = "tcp"
+    spin: float = SPIN_S   # a waiting rank spins this long, then sleeps (wake applies)
+    # (collective, world, topology, intra, inter) -> ((bytes, family), ...) sorted by bytes
+    table: Dict[TableKey, Tuple[Tuple[int, str], ...]] = field(default_factory=dict, hash=False)
+    _choices: Dict[Tuple, str] = field(default_factory=dict, compare=False, hash=False,
+                                       repr=False)
+
+    @classmethod
+    def for_transports(cls, intra: str, inter: str, **kw) -> "LinkModel":
+        ai, bwi, oi = DEFAULT_LINKS.get(intra, DEFAULT_LINKS["tcp"])
+        ae, bwe, oe = DEFAULT_LINKS.get(inter, DEFAULT_LINKS["tcp"])
+        return cls(ai, 1 / bwi, ae, 1 / bwe, overhead_intra=oi, overhead_inter=oe,
+                   intra=intra, inter=inter, **kw)
+
+
+# ---------------------------------------------------------------------------------- choosing
+def choose(collective: str, p: int, nbytes: int, topology: Sequence[int], m: LinkModel) -> str:
+    """The family auto picks (cached per model: the hot path pays one dict lookup)."""
+    key = (collective, p, nbytes, tuple(topology))
+    fam = m._choices.get(key)
+    if fam is None:
+        fam = table_choice(m, *key) or model_choice(*key, m)
+        if len(m._choices) > 4096:
+            m._choices.clear()
+        m._choices[key] = fam
+    return fam
+
+
+def table_choice(m: LinkModel, collective: str, p: int, nbytes: int,
+                 topology: Tuple[int, ...]) -> Optional[str]:
+    """The tuned table's family for the measured size nearest ``nbytes`` (within a factor of 2)."""
+    rows = m.table.get((collective, p, tuple(topology), m.intra, m.inter))
+    if not rows:
+        return None
+    best, dist = None, None
+    for b, fam in rows:
+        if nbytes == 0 or b == 0:
+            d = 0.0 if nbytes == b else math.inf
+        else:
+            d = abs(math.log2(nbytes / b))
+        if d <= 1.0 and (dist is None or d < dist):
+            best, dist = fam, d
+    return best
+
+
+def model_choice(collective: str, p: int, nbytes: int, topology: Tuple[int, ...],
+                 m: LinkModel) -> str:
+    costs = model_costs(collective, p, nbytes, topology, m)
+    return min(costs, key=lambda f: (costs[f], FAMILIES.index(f)))
+
+
+def model_costs(collective: str, p: int, nbytes: int, topology: Tuple[int, ...],
+                m: LinkModel) -> Dict[str, float]:
+    """Predicted seconds per family. hier competes only when it differs from the flat families
+    (more than one node, fewer nodes than ranks)."""
+    k = len(set(topology))
+    fams = [f for f in FAMILIES if f != "hier" or 1 < k < p]
+    if p > SIM_MAX_RANKS:
+        crosses = k > 1
+        a, b = (m.alpha_inter, m.beta_inter) if crosses else (m.alpha_intra, m.beta_intra)
+        out = {f: flat_cost(collective, f, p, nbytes, a, b, m.gamma) for f in fams if f != "hier"}
+        h = hier_cost(collective, p, nbytes, topology, m)
+        if h is not None and "hier" in fams:
+            out["hier"] = h
+        return out
+    count = nbytes // ITEMSIZE
+    return {f: schedule_time(collective, f, p, count, tuple(topology), m) for f in fams}
+
+
+# ---------------------------------------------------------------------------------- simulator
+def host_model(m: LinkModel) -> HostModel:
+    """The simulator engine's machine for a LinkModel: ranks are processes on their node's cores
+    (minicomm.sim.engine.run_host), with this model's α, β, o per link class, γ, δ, wake,
+    contention, cores and spin."""
+    hm = _host_models.get(m)
+    if hm is None:
+        hm = HostModel(
+            HostLink(m.alpha_intra, m.beta_intra, m.overhead_intra,
+                     PIPELINE_CHUNK.get(m.intra, STREAM_CHUNK)),
+            HostLink(m.alpha_inter, m.beta_inter, m.overhead_inter,
+                     PIPELINE_CHUNK.get(m.inter, STREAM_CHUNK)),
+            gamma=m.gamma, delta=m.delta, wake=m.wake, contention=m.contention, cores=m.cores,
+            spin=m.spin, sharing_loss=SHARING_LOSS)
+        if len(_host_models) > 64:
+            _host_models.clear()
+        _host_models[m] = hm
+    return hm
+
+
+_host_models: Dict[LinkModel, HostModel] = {}
+
+
+def schedule_time(collective: str, fam: str, p: int, count: int, topology: Tuple[int, ...],
+                  m: LinkModel, itemsize: int = ITEMSIZE) -> float:
+    """Predicted seconds of one call: the schedules of all p ranks, compiled by the simulator
+    engine (its own cache: the executor's schedules are not evicted), run on ``host_model(m)``."""
+    prog = engine.program_for(collective, fam, p, count, 0, tuple(topology))
+    return engine.run_host(prog, tuple(topology), host_model(m), itemsize).time_s
+
+
+def simulate(scheds: Sequence[Sequence[Sequence[Any]]], topology: Sequence[int], m: LinkModel,
+             itemsize: int = ITEMSIZE) -> float:
+    """Run explicit per-rank step lists on the model (the engine's host machine, module doc);
+    returns the last rank's end (seconds)."""
+    prog = engine.compile_schedules(scheds)
+    return engine.run_host(prog, tuple(topology), host_model(m), itemsize).time_s
+
+
+# ---------------------------------------------------------------------------------- formulas
+def _lg(p: int) -> int:
+    return max(0, math.ceil(math.log2(p))) if p > 1 else 0
+
+
+def flat_cost(collective: str, family: str, p: int, n: float, a: float, b: float,
+              g: float) -> float:
+    """Closed-form cost of a flat family on one link class (used above ``SIM_MAX_RANKS``).
+    n = bytes per rank-block."""
+    if p <= 1:
+        return 0.0
+    lg = _lg(p)
+    f = (p - 1) / p
+    pow2 = p & (p - 1) == 0
+    fold = 0.0 if pow2 else 2 * a + n * b
+    if collective == "allreduce":
+        small = n < 1024 * ITEMSIZE or n < p * ITEMSIZE   # rhd.ALLREDUCE_SMALL_COUNT elements
+        return {"ring": 2 * (p - 1) * a + 2 * f * n * b + f * n * g,
+                "tree": 2 * lg * (a + n * b) + lg * n * g,
+                "rhd": (lg * (a + n * b + n * g) if small
+                        else 2 * lg * a + 2 * f * n * b + f * n * g) + fold,
+                }[family]
+    if collective in ("reduce",):
+        return {"ring": (p - 1) * a + f * n * b + f * n * g + (p - 1) * a + f * n * b,
+                "tree": lg * (a + n * b + n * g),
+                "rhd": 2 * lg * a + 2 * f * n * b + f * n * g + fold}[family]
+    if collective == "broadcast":
+        seg = max(1, math.ceil(n / (32768 * ITEMSIZE)))          # ring.SEGMENT elements
+        return {"ring": (p - 2 + seg) * (a + n / seg * b),
+                "tree": lg * (a + n * b),
+                "rhd": 2 * lg * a + 2 * f * n * b + fold}[family]
+    if collective in ("allgather",):
+        return {"ring": (p - 1) * (a + n * b),
+                "tree": 2 * lg * a + (p - 1) * n * b + lg * p * n * b,
+                "rhd": lg * a + (p - 1) * n * b + fold}[family]
+    if collective == "reduce_scatter":
+        return {"ring": (p - 1) * (a + n * b + n * g),
+                "tree": 2 * lg * a + lg * p * n * (b + g) + (p - 1) * n * b,
+                "rhd": lg * a + (p - 1) * n * (b + g) + fold}[family]
+    if collective in ("gather", "scatter"):
+        return {"ring": (p - 1) * (a + n * b),
+                "tree": lg * a + (p - 1) * n * b,
+                "rhd": lg * a + (p - 1) * n * b + fold}[family]
+    if collective == "alltoall":
+        return {"ring": (p - 1) * (a + n * b),
+                "tree": lg * (a + p / 2 * n * b) + 2 * p * n * b,   # Bruck: packing copies
+                "rhd": (p - 1) * (a + n * b)}[family]
+    if collective == "barrier":
+        return {"ring": 2 * p * a, "tree": 2 * lg * a, "rhd": lg * a}[family]
+    raise ValueError(collective)
+
+
+def hier_cost(collective: str, p: int, n: float, topology: Sequence[int],
+              m: LinkModel) -> Optional[float]:
+    nodes = sorted(set(topology))
+    k = len(nodes)
+    if k <= 1 or k == p:
+        return None       # hier degenerates to a flat algorithm: let the flat families compete
+    local = max(list(topology).count(x) for x in nodes)
+    ai, bi, ae, be, g = m.alpha_intra, m.beta_intra, m.alpha_inter, m.beta_inter, m.gamma
+    intra_ring = lambda coll, nn: flat_cost(coll, "ring", local, nn, ai, bi, g)  # noqa: E731
+    inter = lambda coll, nn: flat_cost(coll, "rhd", k, nn, ae, be, g)  # noqa: E731
+    if collective == "allreduce":
+        # the L shard allreduces cross the network at the same time, so they share the host's
+        # NIC: each moves n/L bytes at 1/L of the link rate
+        shared = flat_cost("allreduce", "rhd", k, n / local, ae, be * local, g)
+        return intra_ring("reduce_scatter", n / local) + shared + intra_ring("allgather", n / local)
+    if collective == "reduce":
+        return intra_ring("reduce", n) + inter("reduce", n)
+    if collective == "broadcast":
+        return inter("broadcast", n) + intra_ring("broadcast", n)
+    if collective in ("allgather", "gather", "scatter"):
+        return (intra_ring("gather", n) + inter(collective, n * local)
+                + intra_ring("broadcast", n * p))
+    if collective == "reduce_scatter":
+        return intra_ring("reduce_scatter", n * k) + inter("reduce_scatter", n * local)
+    if collective == "alltoall":
+        return (intra_ring("gather", n * p) + inter("alltoall", n * local * local)
+                + intra_ring("scatter", n * p))
+    if collective == "barrier":
+        return 2 * flat_cost("barrier", "tree", local, 0, ai, bi, g) + inter("barrier", 0)
+    return None
+
+
+
+# ---------------------------------------------------------------------------------- tuned table lookup
+def table_index(entries: Sequence[Dict[str, Any]]) -> Dict[TableKey, Tuple[Tuple[int, str], ...]]:
+    """Entries (``load_table``'s) -> the lookup a ``LinkModel`` holds."""
+    idx: Dict[TableKey, Dict[int, str]] = {}
+    for e in entries:
+        key = (e["collective"], e["world"], tuple(e["topology"]), e["intra"], e["inter"])
+        idx.setdefault(key, {})[e["bytes"]] = e["best"]
+    return {k: tuple(sorted(v.items())) for k, v in idx.items()}
+
+
+
+def parse_algo_env(value: Optional[str] = None) -> Dict[str, str]:
+    """MINICOMM_ALGO='allreduce:ring,broadcast:tree' -> {'allreduce': 'ring', ...}."""
+    value = os.environ.get("MINICOMM_ALGO", "") if value is None else value
+    out = {}
+    for item in filter(None, (x.strip() for x in value.split(","))):
+        coll, _, fam = item.partition(":")
+        if not fam:
+            raise ValueError(f"MINICOMM_ALGO entry {item!r} is not 'collective:algorithm'")
+        out[coll.strip()] = fam.strip()
+    return out
