@@ -241,9 +241,22 @@ def render_table(topo: Topology, collective: str, results: Sequence[SimResult],
     cx = crossovers(results)
     lines.append("# winner changes: " + ("; ".join(cx) if cx else "none (one winner throughout)"))
     if "ring" in algos:
+        t = {(r.algorithm, r.bytes): r.time_s for r in results}
         for other in algos:
-            if other != "ring":
-                lines.extend("# " + x for x in pair_crossovers(results, "ring", other))
+            if other == "ring":
+                continue
+            cx2 = pair_crossovers(results, "ring", other)
+            if cx2:
+                lines.extend("# " + x for x in cx2)
+                continue
+            both = [b for b in sorted(by) if ("ring", b) in t and (other, b) in t]
+            if not both:
+                continue
+            lo, hi = both[0], both[-1]
+            verb = "beats" if t[(other, lo)] < t[("ring", lo)] else "loses to"
+            lines.append(f"# {other} {verb} ring at every size ({t[('ring', lo)] / t[(other, lo)]:.1f}x "
+                         f"at {_fmt_bytes(lo)}, {t[('ring', hi)] / t[(other, hi)]:.1f}x at "
+                         f"{_fmt_bytes(hi)})")
     last = by[max(by)]
     best = min(last.values(), key=lambda r: r.time_s)
     lines.append(f"# busiest link at {_fmt_bytes(best.bytes)} ({best.algorithm}): "
