@@ -1,4 +1,4 @@
-"""The ``minicomm`` command: verify | run | bench | demo (later: sim)."""
+"""The ``minicomm`` command: verify | run | bench | demo | sim."""
 from __future__ import annotations
 
 import argparse
@@ -54,6 +54,11 @@ def _cmd_demo(a) -> int:
     return main_from_args(a)
 
 
+def _cmd_sim(a) -> int:
+    from .sim.cli import main
+    return main(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minicomm", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -96,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(d)
     d.set_defaults(func=_cmd_demo)
+
+    from .sim import cli as sim_cli
+    s = sub.add_parser("sim", help="predict collectives and the parameter server on a modelled "
+                       "cluster", description=sim_cli.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim_cli.add_arguments(s)
+    s.set_defaults(func=_cmd_sim)
     return p
 
 
