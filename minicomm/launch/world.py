@@ -66,7 +66,7 @@ def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
     setup_timeout = float(timeout if timeout is not None else env_timeout or 300.0)
     kind = cfg["transport"]
     if kind not in TRANSPORTS or kind == "inproc":
-        raise ValueError(f"transport {kind!r} cannot connect processes; choose auto, shm or tcp")
+        raise ValueError(f"transport {kind!r} cannot connect processes; choose auto, shm, tcp, rdma or ub")
     server = None
     if store is None:
         if cfg.get("host_store"):
