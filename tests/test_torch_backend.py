@@ -568,6 +568,13 @@ def test_pitfalls_group_name_work_type_and_cpp_callers(tmp_path):
 
 # ---------------------------------------------------------------------------- errors
 def _w_mismatch(rank, size):
+    # a mismatched synchronous call raises from the call (the group is broken afterwards)
+    sub = dist.new_group(list(range(size)))
+    with pytest.raises(CommError):
+        dist.all_reduce(torch.ones(3 if rank == 0 else 5), group=sub)
+    with pytest.raises(CommError, match="broken"):
+        dist.all_reduce(torch.ones(3), group=sub)
+    # the world is another group: it still works; now a mismatched asynchronous call
     t = torch.ones(4 if rank == 0 else 8)
     w = dist.all_reduce(t, async_op=True)
     with pytest.raises(CommError) as info:
@@ -602,16 +609,20 @@ def _w_timeout_group(rank, size, store_path):
     dist.init_process_group("minicomm", store=store, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=2))
     if rank == 0:
-        t = torch.ones(3)
+        w = dist.all_reduce(torch.ones(3), async_op=True)
         with pytest.raises(CommTimeout):
-            dist.all_reduce(t)                                    # sync: raises from the call
+            w.wait()                                              # async: raises from wait()
+        with pytest.raises(RuntimeError, match="CommTimeout"):
+            w.get_future().wait()                                 # and through the future
+        with pytest.raises(CommError, match="broken"):
+            dist.all_reduce(torch.ones(3))                        # sync: raises from the call
         store.set("rank0-done", "1")
         return "timeout"
     store.wait(["rank0-done"], datetime.timedelta(seconds=60))    # alive, never joins the call
     return "idle"
 
 
-def test_timeout_raises_from_the_call(tmp_path):
+def test_timeout_raises_from_wait_future_and_later_calls(tmp_path):
     res = run_ranks(tmp_path, _w_timeout_group, 2, str(tmp_path / "tstore"), init=None)
     assert res == ["timeout", "idle"]
 
