@@ -131,7 +131,7 @@ def authenticate_client(sock: socket.socket, token: bytes, timeout: float) -> No
     _send_all(sock, nc + _mac(token, b"client", ns, nc), deadline, "authentication")
     try:
         mac = _recv_exact(sock, _MAC, deadline, "authentication")
-    except PeerFailure:
+    except (PeerFailure, ConnectionResetError):   # a refusing server closes the connection
         raise AuthError("the server refused our job token") from None
     if not hmac.compare_digest(mac, _mac(token, b"server", ns, nc)):
         raise AuthError("the server failed authentication (it does not hold the job token)")
@@ -358,6 +358,10 @@ class StoreClient:
         self._sock = _connect_with_retry((host, port), deadline, f"rendezvous store {host}:{port}")
         try:
             authenticate_client(self._sock, token, max(0.0, deadline - time.monotonic()))
+        except OSError as e:
+            self._sock.close()
+            raise PeerFailure(f"rendezvous store {host}:{port}: connection lost during "
+                              f"authentication: {e}") from None
         except BaseException:
             self._sock.close()
             raise

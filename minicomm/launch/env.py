@@ -522,10 +522,12 @@ def derived_token(launch: Launch) -> bytes:
     return hashlib.sha256(text.encode()).digest()
 
 
-def _job_id(launch: Launch) -> str:
-    """A short name for shm segments: letters, digits, '-' only, unique per job identity."""
-    digest = hashlib.sha256(f"{launch.kind}\0{launch.identity}\0{launch.size}\0{launch.addr}"
-                            f"\0{launch.port}".encode()).hexdigest()[:12]
+def _job_id(launch: Launch, token: bytes) -> str:
+    """A short name for shm segments (letters, digits, '-'): the same on every rank (it hashes
+    only what they agree on: the token, the identity, the size), different for jobs that differ
+    in any of them."""
+    digest = hashlib.sha256(token + f"\0{launch.kind}\0{launch.identity}\0{launch.size}"
+                            .encode()).hexdigest()[:12]
     return f"{launch.kind}-{digest}"
 
 
@@ -668,7 +670,7 @@ def init(transport: Optional[str] = None, timeout: Optional[float] = None,
                    master_addr=launch.addr, master_port=launch.port, token=token.hex(),
                    host_store=launch.host_store and server is None, store_server=server,
                    store_bind=launch.bind, identity=launch.identity,
-                   job_id=launch.job_id or _job_id(launch),
+                   job_id=launch.job_id or _job_id(launch, token),
                    transport=transport or env.get("MINICOMM_TRANSPORT", "auto"),
                    timeout=timeout, setup_timeout=setup, describe=launch.describe(),
                    port_from=launch.port_from)

@@ -181,7 +181,13 @@ class PMIClient:
     def barrier(self) -> None:
         """Returns once every process of the job has entered the barrier (puts before it are
         visible to gets after it)."""
-        self._call("cmd=barrier_in", "barrier_out")
+        try:
+            self._call("cmd=barrier_in", "barrier_out")
+        except CommTimeout:
+            raise CommTimeout(f"PMI ({self.where}): not every process of the job reached the PMI "
+                              f"barrier within {self.timeout:g}s (the setup timeout, "
+                              f"MINICOMM_SETUP_TIMEOUT): one exited or is stuck before "
+                              f"mc.init()") from None
 
     def get(self, key: str) -> str:
         reply = self._call(f"cmd=get kvsname={self.kvsname} key={_check_word('key', key)}",
