@@ -483,7 +483,14 @@ def _connect_with_retry(addr, deadline: float, what: str) -> socket.socket:
         if left <= 0:
             raise CommTimeout(f"{what}: could not connect before the deadline")
         try:
-            return socket.create_connection(addr, timeout=left)
+            sock = socket.create_connection(addr, timeout=left)
+            if sock.getsockname() == sock.getpeername():
+                # TCP simultaneous open: with nothing listening on a port of the ephemeral range,
+                # the kernel can give the connecting socket that very port, and it connects to
+                # itself (and would hold the port the store is about to bind). Drop it and retry.
+                sock.close()
+                raise ConnectionRefusedError("connected to itself")
+            return sock
         except (ConnectionRefusedError, ConnectionResetError):
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 0.5)

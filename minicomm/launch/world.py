@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -152,13 +153,19 @@ def _host_store(cfg: Dict[str, Any], token: bytes, identity: str,
     holder is a look-alike job (same identity, same token), join it as rank 0 so that it stops
     too instead of mixing with our ranks (see rendezvous.py, "Membership")."""
     port = cfg["master_port"]
-    try:
-        return StoreServer(cfg.get("store_bind") or "0.0.0.0", port, token,
-                           job=(identity, cfg["size"]))
-    except OSError as e:
-        if e.errno != errno.EADDRINUSE:
-            raise RendezvousError(f"rank {cfg['rank']} cannot serve the rendezvous store on "
-                                  f"{_port_hint(cfg)}: {e}") from None
+    for _ in range(20):
+        try:
+            return StoreServer(cfg.get("store_bind") or "0.0.0.0", port, token,
+                               job=(identity, cfg["size"]))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise RendezvousError(f"rank {cfg['rank']} cannot serve the rendezvous store on "
+                                      f"{_port_hint(cfg)}: {e}") from None
+        if _listening("127.0.0.1", port) or _left(deadline) <= 0:
+            break
+        # Nobody listens there, yet the port is taken: a connection holds it for a moment (a
+        # peer's connect that met itself, or one in TIME_WAIT without SO_REUSEADDR). Try again.
+        time.sleep(0.05)
     holder = "by another program"
     try:
         with StoreClient("127.0.0.1", port, token, timeout=min(5.0, max(0.5, _left(deadline))))                 as probe:
@@ -174,6 +181,14 @@ def _host_store(cfg: Dict[str, Any], token: bytes, identity: str,
     raise RendezvousError(
         f"rank {cfg['rank']}: {_port_hint(cfg)} is already in use {holder}. Two jobs cannot "
         f"share a rendezvous port: this job stops here; give it its own MASTER_PORT") from None
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2.0) as s:
+            return s.getsockname() != s.getpeername()
+    except OSError:
+        return False
 
 
 def _join(cfg: Dict[str, Any], token: bytes, identity: str, deadline: float) -> StoreClient:
