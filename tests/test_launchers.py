@@ -131,6 +131,8 @@ def command(engine: str, n: int, argv: list, slurm_env=None, env_names=()) -> li
         return [*openmpi_mpirun(), *forward, "-n", str(n), py, *argv]
     if engine == "srun":
         return ["srun", "-n", str(n), "--kill-on-bad-exit=0", py, *argv]
+    if engine == "srun-pmi2":     # Slurm's PMI server: mc.init speaks PMI-1 to it too
+        return ["srun", "--mpi=pmi2", "-n", str(n), py, *argv]
     if engine == "torchrun":
         return [*torchrun(), "--standalone", f"--nproc-per-node={n}", *argv]
     raise ValueError(engine)
@@ -174,14 +176,14 @@ def check_ranks(out: str) -> list:
 
 
 def engine_env(engine, request, **extra):
-    if engine == "srun":
+    if engine.startswith("srun"):
         base = request.getfixturevalue("slurm")
         return dict(base, **{k: str(v) for k, v in extra.items()})
     return clean_env(**extra)
 
 
 # ------------------------------------------------------------------- hello and every collective
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINES + ["srun-pmi2"])
 def test_hello_with_nothing_set_by_hand(engine, request):
     env = engine_env(engine, request)
     rc, out, err = run(command(engine, 4, [HELLO]), env)

@@ -11,8 +11,10 @@ minicomm run, ssh   MINICOMM_RANK / MINICOMM_SIZE  the launcher's store, MINICOM
                                                   real token MINICOMM_JOB_TOKEN
 torchrun            RANK / WORLD_SIZE             rank 0 listens on a free port and publishes it
                     (+ TORCHELASTIC_RUN_ID)       with a random token through torchrun's agent
-                                                  store (MASTER_ADDR:MASTER_PORT); without it
-                                                  MASTER_PORT + 1, derived token
+                                                  store (MASTER_ADDR:MASTER_PORT; costs each
+                                                  rank an ``import torch.distributed``); without
+                                                  it MASTER_PORT + 1, or MINICOMM_MASTER_PORT,
+                                                  derived token
 mpiexec (hydra),    PMI_RANK / PMI_SIZE, PMI_FD   PMI-1 on PMI_FD (``pmi.py``): rank 0 listens on
 Intel MPI, srun                                   a free port and publishes address + a random
 --mpi=pmi2                                        token in the job's KVS; identity: the kvsname
@@ -332,6 +334,10 @@ def _detect_torchrun(env) -> Optional[Launch]:
         launch.bind = "127.0.0.1"
     elif group == 0:
         launch.addr_from += " (rank 0's agent host; this agent's ranks use loopback)"
+    forced, forced_from = _int(env, "MINICOMM_MASTER_PORT")
+    if forced is not None:        # the user's own port: no agent store (no torch import)
+        launch.port, launch.port_from, launch.host_store = forced, forced_from, rank == 0
+        return launch
     if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         launch.bootstrap = "torch"        # publish a free port + random token in the agent store
         launch.agent_store = (env.get("MASTER_ADDR") or "127.0.0.1", port)
