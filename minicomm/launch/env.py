@@ -110,7 +110,9 @@ class Launch:
         if self.addr is not None:
             parts.append(f"address {self.addr} from {self.addr_from}")
         if self.port is not None:
-            parts.append(f"port {self.port} from {self.port_from}")
+            how = self.port_from
+            parts.append(f"port {self.port} " + (how if how.startswith(("derived", "a ")) else
+                                                 f"from {how}"))
         if self.identity:
             parts.append(f"job identity {self.identity!r} from {self.identity_from}")
         return "; ".join(parts)
