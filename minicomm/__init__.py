@@ -8,6 +8,7 @@ from .errors import CommError, CommTimeout, MismatchError, PeerFailure, RMAError
 from .launch import init, spawn
 from .launch.world import set_link_agreement
 from .ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM
+from .p2p import ANY_SOURCE, ANY_TAG, Status
 from .tuning import agree_link_model
 
 # The composition root: new worlds agree on measured links (minicomm.tuning sits above the
@@ -18,4 +19,4 @@ del set_link_agreement, agree_link_model
 __version__ = "0.1.0"
 __all__ = ["spawn", "init", "Communicator", "Work", "CommError", "CommTimeout", "MismatchError",
            "PeerFailure", "RMAError", "SpawnError", "SUM", "PROD", "MIN", "MAX", "AVG", "BAND",
-           "BOR", "BXOR"]
+           "BOR", "BXOR", "ANY_SOURCE", "ANY_TAG", "Status"]

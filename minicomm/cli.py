@@ -1,12 +1,13 @@
-"""The ``minicomm`` command: verify | run | bench (later: sim, demo)."""
+"""The ``minicomm`` command: verify | run | bench | demo (later: sim)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
 def _cmd_verify(a) -> int:
-    from .verifier import run_matrix
+    from .tools.verify import run_matrix
     ok = run_matrix(a.max_world, all_roots=a.all_roots, jobs=a.jobs,
                     collectives=a.collective or None, families=a.algorithm or None)
     return 0 if ok else 1
@@ -19,6 +20,14 @@ def _cmd_run(a) -> int:
     if not argv:
         print("minicomm run: no script given", file=sys.stderr)
         return 2
+    if a.servers is not None:
+        # ps.start(comm) reads it; the local launcher copies the environment into every rank and
+        # the ssh launcher forwards MINICOMM_* variables, so one place serves both
+        if a.servers < 1 or (a.n is not None and a.servers >= a.n):
+            print(f"minicomm run: --servers {a.servers} needs 1 <= servers < -n "
+                  f"(at least one worker)", file=sys.stderr)
+            return 2
+        os.environ["MINICOMM_NUM_SERVERS"] = str(a.servers)
     if a.hosts or a.hostfile:
         from .launch import ssh as sshlaunch
         try:
@@ -40,6 +49,11 @@ def _cmd_bench(a) -> int:
     return main_from_cli(a)
 
 
+def _cmd_demo(a) -> int:
+    from .tools.demo import main_from_args
+    return main_from_args(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minicomm", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -58,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--nodes", type=int, default=1, help="emulated nodes on this box")
     r.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"])
     r.add_argument("--timeout", type=float, default=None, help="per-wait timeout (s)")
+    r.add_argument("--servers", type=int, default=None,
+                   help="parameter servers: ranks 0..K-1 serve in ps.start(comm), the rest are "
+                        "workers (sets MINICOMM_NUM_SERVERS)")
     r.add_argument("--hosts", help="host:slots,host:slots (ssh)")
     r.add_argument("--hostfile", help="file of 'host [slots=N]' lines (ssh)")
     r.add_argument("--ssh-opts", default=None, help="extra ssh options (or MINICOMM_SSH)")
@@ -72,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(b)
     b.set_defaults(func=_cmd_bench)
+
+    from .tools import demo
+    d = sub.add_parser("demo", help="train a numpy MLP every way: single, allreduce, parameter "
+                       "server", description=demo.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo.add_arguments(d)
+    d.set_defaults(func=_cmd_demo)
     return p
 
 

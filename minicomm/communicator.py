@@ -11,6 +11,9 @@ count), so a rank that disagrees on the call is detected from the first header i
 """
 from __future__ import annotations
 
+import functools
+import itertools
+import numbers
 import os
 import queue
 import sys
@@ -27,23 +30,55 @@ from .algorithms import FAMILIES, build_schedule
 from .cost import LinkModel, choose, parse_algo_env
 from .errors import CommError, CommTimeout, MismatchError, PeerFailure, describe_call, pack_call
 from .executor import Plan, run_plan
+from .p2p import ANY_SOURCE, ANY_TAG, MAX_TAG, P2PEngine, Status
 from .schedule import ROOTED
-from .transports.base import Tag
+from .transports.base import ABORT_CALL, ABORT_KINDS, Tag
 
 DEFAULT_TIMEOUT = 300.0
 _new_tag = tuple.__new__               # Tag(...) without the namedtuple's Python-level __new__
-_P2P_CONTEXT = 1 << 40        # p2p traffic of communicator c uses context c | _P2P_CONTEXT
-_P2P_HEADER = 256             # bytes of the header message that precedes every send()
+
+# Context ids (Tag.comm). A communicator has a number, ``comm_id``, unique among the
+# communicators that share a transport; its collectives travel on context ``comm_id << 2`` and its
+# point-to-point messages on ``comm_id << 2 | 1``. Numbers: the world is 1; numbers below
+# ``_SPLIT_BASE`` are reserved for internal pairs (link measurement); split() numbers are
+# allocated by the lowest rank of each new group from its own counter, as
+# ``(world rank + 1) << 24 | counter``, and broadcast to the group: unique without a hash.
+WORLD_ID = 1
+_SPLIT_BASE = 1 << 24
+_COLL, _P2P = 0, 1
+_id_counter = itertools.count(1)
+
+
+def context(comm_id: int, kind: int) -> int:
+    return comm_id << 2 | kind
+
+
+def _serialized(name: str):
+    """Run a public method inside the communicator's one-thread-at-a-time guard."""
+    def deco(method):
+        @functools.wraps(method)
+        def wrapper(self, *args, **kwargs):
+            self._enter(name)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._exit()
+        return wrapper
+    return deco
 
 
 class Work:
-    """Handle of an ``async_op=True`` call: ``wait(timeout=None)`` returns its result."""
+    """Handle of an ``async_op=True`` collective, an ``isend`` or an ``irecv``:
+    ``wait(timeout=None)`` returns its result (or raises its error); ``is_completed()``.
+    An ``irecv``'s ``status`` tells the source and tag it matched."""
 
-    def __init__(self, description: str):
+    def __init__(self, description: str, drive=None):
         self.description = description
         self._event = threading.Event()
         self._result = None
         self._error: Optional[BaseException] = None
+        self._drive = drive           # p2p: moves the messages, in the waiting thread
+        self.status: Optional[Status] = None
 
     def _finish(self, result=None, error: Optional[BaseException] = None):
         self._result, self._error = result, error
@@ -53,6 +88,8 @@ class Work:
         return self._event.is_set()
 
     def wait(self, timeout: Optional[float] = None):
+        if self._drive is not None and not self._event.is_set():
+            self._drive(timeout)
         if not self._event.wait(timeout):
             raise CommTimeout(f"{self.description} did not complete within {timeout} s")
         if self._error is not None:
@@ -103,17 +140,26 @@ class Communicator:
         self.link_model = link_model or LinkModel.for_transports("shm", "tcp")
         self._algo_env = parse_algo_env()
         self._owner = _owner
+        self._ctx = context(comm_id, _COLL)
         self._seq = 0
-        self._split_count = 0
-        self._p2p_sent: Dict[int, int] = {}
-        self._p2p_recvd: Dict[int, int] = {}
         self._plans: Dict[Tuple, Plan] = {}
         self._scratch: Dict[np.dtype, np.ndarray] = {}
-        self._lock = threading.RLock()
+        # async work: a queue with its own lock (submitting never waits for running work) and
+        # one worker thread that runs the queued calls in program order
+        self._qlock = threading.Lock()
         self._queue: "queue.Queue" = queue.Queue()
         self._pending = 0
         self._worker: Optional[threading.Thread] = None
+        # one user thread at a time (MPI_THREAD_SERIALIZED), checked by _enter/_exit
+        self._guard = threading.Lock()
+        self._busy_thread: Optional[int] = None
+        self._busy_name = ""
+        self._depth = 0
+        self.busy_with: Optional[str] = None     # the call that holds the guard now
+        self._broken: Optional[BaseException] = None
         self._closed = False
+        self._closing_error: Optional[BaseException] = None
+        self._p2p = P2PEngine(transport, rank, self.group, context(comm_id, _P2P))
         self.node = self.topology[rank]
         self.num_nodes = len(set(self.topology))
         same = [r for r in range(size) if self.topology[r] == self.node]
@@ -170,27 +216,74 @@ class Communicator:
             self._scratch[dtype] = buf
         return buf[:count]
 
+    # ------------------------------------------------------------------ guard, errors, async
+    def _enter(self, what: str) -> None:
+        if self._guard.acquire(False):
+            self._busy_thread = threading.get_ident()
+            self._busy_name = threading.current_thread().name
+            self._depth, self.busy_with = 1, what
+            return
+        if self._busy_thread == threading.get_ident():
+            self._depth += 1          # a call made by a call (object collectives, split)
+            return
+        raise CommError(
+            f"{what} called on thread {threading.current_thread().name!r} while this "
+            f"communicator is in {self.busy_with} on thread {self._busy_name!r}: a communicator "
+            f"is used by one thread at a time (like MPI_THREAD_SERIALIZED); give each thread its "
+            f"own communicator with split(), or overlap with async_op=True")
+
+    def _exit(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.busy_with, self._busy_thread = None, None
+            self._guard.release()
+
+    def _usable(self, what: str) -> None:
+        if self._broken is not None:
+            e = self._broken
+            raise CommError(f"{what}: communicator is broken: {type(e).__name__}: {e}")
+        if self._closed:
+            raise CommError(f"{what}: communicator is closed")
+
+    def _break(self, error: BaseException) -> None:
+        """The first error of a collective is final (as in Gloo and NCCL): tell the peers, drop
+        this communicator's posted and queued messages, and fail whatever is queued."""
+        if self._broken is not None:
+            return
+        self._broken = error
+        kind = type(error).__name__
+        step = ABORT_KINDS.index(kind) if kind in ABORT_KINDS else ABORT_KINDS.index("CommError")
+        notice = np.empty(0, dtype=np.uint8)
+        skip = getattr(error, "peer", None)
+        for r, peer in enumerate(self.group):
+            if r == self.rank or peer == skip:
+                continue
+            try:
+                self.transport.isend(peer, notice, Tag(self._ctx, -1, step, ABORT_CALL, self._seq))
+            except (CommError, OSError, ValueError):
+                pass                  # that link is gone: its peer learns of it anyway
+        broken = CommError(f"communicator is broken: {kind}: {error}")
+        self.transport.cancel_context(self._ctx, broken)
+        self.transport.cancel_context(self._p2p.ctx, broken)
+
     def _submit(self, description: str, fn, async_op: bool):
         """Run ``fn`` now (sync) or on this communicator's worker thread (async), keeping the
         program order of calls: a sync call issued after async ones waits for them."""
-        if self._closed:
-            raise CommError(f"{description}: communicator is closed")
+        self._usable(description)
         if not async_op:
             if self._pending == 0:
-                with self._lock:
-                    return fn()
-            work = self._enqueue(description, fn)
-            return work.wait()
+                return fn()
+            return self._enqueue(description, fn).wait()
         return self._enqueue(description, fn)
 
     def _enqueue(self, description: str, fn) -> Work:
         work = Work(description)
-        with self._lock:
+        with self._qlock:
             self._pending += 1
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._work_loop, daemon=True,
-                                            name=f"minicomm-comm{self.comm_id}-r{self.rank}")
-            self._worker.start()
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work_loop, daemon=True,
+                                                name=f"minicomm-comm{self.comm_id}-r{self.rank}")
+                self._worker.start()
         self._queue.put((work, fn))
         return work
 
@@ -201,13 +294,16 @@ class Communicator:
                 return
             work, fn = item
             try:
-                with self._lock:
-                    result = fn()
-                work._finish(result)
+                if self._broken is not None:
+                    work._finish(error=_same_error(self._broken))
+                elif self._closed and self._closing_error is not None:
+                    work._finish(error=_same_error(self._closing_error))
+                else:
+                    work._finish(fn())
             except BaseException as e:   # delivered to whoever waits on the handle
                 work._finish(error=e)
             finally:
-                with self._lock:
+                with self._qlock:
                     self._pending -= 1
 
     def _fingerprint_check(self, call: int, count: int, shape: Tuple[int, ...]) -> None:
@@ -217,7 +313,7 @@ class Communicator:
         seq = self._next_seq()
         everyone = np.empty(3 * self.size, dtype=np.int64)
         plan = self._plan("allgather", "rhd", 3, 0)
-        tag = Tag(self.comm_id, seq, 0, pack_call("fingerprint", "none", "none", np.int64, -1), 3)
+        tag = Tag(self._ctx, seq, 0, pack_call("fingerprint", "none", "none", np.int64, -1), 3)
         bufs = (mine, everyone, self._tmp(np.dtype(np.int64), plan.tmp_count))
         run_plan(plan, self.transport, bufs, _ops.get_kernel("sum"), tag, self._deadline(),
                  f"fingerprint check of call #{seq + 1}")
@@ -266,6 +362,17 @@ class Communicator:
 
     def _run_call(self, c: "_Call", inb: np.ndarray, outb: np.ndarray, count: int,
                   shape: Tuple[int, ...], fingerprint: bool = True) -> None:
+        try:
+            self._run_call_unchecked(c, inb, outb, count, shape, fingerprint)
+        except CommError as e:
+            if self._closing_error is not None and not isinstance(e, (MismatchError,
+                                                                     PeerFailure)):
+                e = _same_error(self._closing_error)     # woken by close() from another thread
+            self._break(e)
+            raise e from None
+
+    def _run_call_unchecked(self, c: "_Call", inb: np.ndarray, outb: np.ndarray, count: int,
+                            shape: Tuple[int, ...], fingerprint: bool) -> None:
         # Headers catch a disagreement whenever the disagreeing ranks exchange a message. Ranks
         # that disagree on the *root* may never do so (each "root" only sends): rooted calls
         # therefore always exchange fingerprints first; check="full" does it for every call.
@@ -286,18 +393,9 @@ class Communicator:
         tmp = self._scratch.get(outb.dtype)
         if tmp is None or tmp.size < n:
             tmp = self._tmp(outb.dtype, n)
-        try:
-            run_plan(plan, self.transport, (inb, outb, tmp[:n]), c.kernel,
-                     _new_tag(Tag, (self.comm_id, seq, 0, c.call, count)),
-                     time.monotonic() + self.timeout, c.label)
-        except MismatchError as e:
-            # Peers may be blocked on us: make them fail now with the same verdict.
-            self.transport.abort(f"MismatchError: {e}")
-            raise
-        except PeerFailure as e:
-            if "MismatchError:" in str(e):     # a peer detected the mismatch and aborted
-                raise MismatchError(str(e)) from e
-            raise
+        run_plan(plan, self.transport, (inb, outb, tmp[:n]), c.kernel,
+                 _new_tag(Tag, (self._ctx, seq, 0, c.call, count)),
+                 time.monotonic() + self.timeout, c.label)
 
     # ------------------------------------------------------------------ argument helpers
     @staticmethod
@@ -366,7 +464,7 @@ class Communicator:
         # were validated then), a synchronous call with nothing queued. Same steps as below,
         # minus the generic argument handling and the closure.
         if not async_op and type(x) is np.ndarray and not self._pending and x.ndim == 1 \
-                and x.flags.c_contiguous and not self._closed:
+                and x.flags.c_contiguous and not self._closed and self._broken is None:
             c = self._calls.get(("allreduce", op, algorithm, x.dtype, x.size, 0))
             if c is not None:
                 if out is None:
@@ -377,11 +475,21 @@ class Communicator:
                 else:
                     res = None                # let the general path explain what is wrong
                 if res is not None:
-                    with self._lock:
+                    self._enter("allreduce")
+                    try:
                         self._run_call(c, inb, res, x.size, x.shape)
+                    finally:
+                        self._exit()
                     if op == _ops.AVG:
                         res /= self.size
                     return res
+        self._enter("allreduce")
+        try:
+            return self._allreduce(x, op, algorithm, out, async_op)
+        finally:
+            self._exit()
+
+    def _allreduce(self, x, op, algorithm, out, async_op):
         op = _ops.normalize(op)
         arr, inflat = self._flat_in(x)
         _ops.check_dtype(op, arr.dtype)
@@ -394,6 +502,7 @@ class Communicator:
             return res
         return self._submit("allreduce", run, async_op)
 
+    @_serialized("reduce")
     def reduce(self, x, root=0, op="sum", algorithm="auto", out=None, async_op=False):
         op = _ops.normalize(op)
         root = self._check_root(root, "reduce")
@@ -412,6 +521,7 @@ class Communicator:
             return res
         return self._submit("reduce", run, async_op)
 
+    @_serialized("broadcast")
     def broadcast(self, x, root=0, algorithm="auto", out=None, async_op=False):
         root = self._check_root(root, "broadcast")
         arr, inflat = self._flat_in(x)
@@ -423,6 +533,7 @@ class Communicator:
             return res
         return self._submit("broadcast", run, async_op)
 
+    @_serialized("allgather")
     def allgather(self, x, algorithm="auto", out=None, async_op=False):
         arr, inflat = self._flat_in(x)
         res, outflat = self._make_out(out, (self.size,) + arr.shape, arr.dtype, "allgather")
@@ -433,6 +544,7 @@ class Communicator:
             return res
         return self._submit("allgather", run, async_op)
 
+    @_serialized("gather")
     def gather(self, x, root=0, algorithm="auto", out=None, async_op=False):
         root = self._check_root(root, "gather")
         arr, inflat = self._flat_in(x)
@@ -447,6 +559,7 @@ class Communicator:
             return res
         return self._submit("gather", run, async_op)
 
+    @_serialized("reduce_scatter")
     def reduce_scatter(self, x, op="sum", algorithm="auto", out=None, async_op=False):
         op = _ops.normalize(op)
         arr, inflat = self._flat_in(x)
@@ -462,6 +575,7 @@ class Communicator:
             return res
         return self._submit("reduce_scatter", run, async_op)
 
+    @_serialized("alltoall")
     def alltoall(self, x, algorithm="auto", out=None, async_op=False):
         arr, inflat = self._flat_in(x)
         self._blocked(arr, "alltoall")
@@ -474,6 +588,7 @@ class Communicator:
             return res
         return self._submit("alltoall", run, async_op)
 
+    @_serialized("scatter")
     def scatter(self, x, root=0, algorithm="auto", out=None, async_op=False):
         """Root's x has shape (size, *s); every rank returns its block x[rank] of shape s.
         Other ranks' x is ignored (None is fine): they learn shape and dtype from the root."""
@@ -502,6 +617,7 @@ class Communicator:
             return res
         return self._submit("scatter", run, async_op)
 
+    @_serialized("barrier")
     def barrier(self, algorithm="auto", async_op=False):
         empty = np.empty(0, dtype=np.uint8)
 
@@ -510,52 +626,137 @@ class Communicator:
         return self._submit("barrier", run, async_op)
 
     # ------------------------------------------------------------------ point to point
-    def _p2p_tag(self, seq: int, tag: int, nbytes: int) -> Tag:
-        return Tag(self.comm_id | _P2P_CONTEXT, seq, tag, pack_call("p2p", "none", "none", None, tag),
-                   nbytes)
+    def _check_peer(self, rank: int, what: str, any_ok: bool) -> int:
+        if isinstance(rank, numbers.Integral):
+            rank = int(rank)
+            if any_ok and rank == ANY_SOURCE:
+                return rank
+            if 0 <= rank < self.size:
+                return rank
+        raise ValueError(f"{what}: rank {rank!r} is not in 0..{self.size - 1}"
+                         + (" or ANY_SOURCE" if any_ok else ""))
 
-    def send(self, x, dst: int, tag: int = 0) -> None:
+    @staticmethod
+    def _check_tag(tag, what: str, any_ok: bool) -> int:
+        if isinstance(tag, numbers.Integral):
+            tag = int(tag)
+            if (any_ok and tag == ANY_TAG) or 0 <= tag <= MAX_TAG:
+                return tag
+        raise ValueError(f"{what}: tag {tag!r} must be an int in 0..{MAX_TAG}"
+                         + (" or ANY_TAG" if any_ok else ""))
+
+    def _p2p_deadline(self, timeout: Optional[float]) -> float:
+        return time.monotonic() + (self.timeout if timeout is None else float(timeout))
+
+    def _isend(self, x, dst, tag) -> Work:
         arr, flat = self._flat_in(x)
-        dst = self._check_root(dst, "send")
-        header = np.zeros(_P2P_HEADER, dtype=np.uint8)
-        desc = f"{arr.dtype.str};{','.join(map(str, arr.shape))}".encode()
-        if len(desc) > _P2P_HEADER:
-            raise ValueError(f"send: array of {arr.ndim} dimensions is too many")
-        header[:len(desc)] = np.frombuffer(desc, dtype=np.uint8)
+        dst = self._check_peer(dst, "send", False)
+        tag = self._check_tag(tag, "send", False)
+        self._usable("send")
+        reqs = self._p2p.isend(arr, flat, dst, tag)
+        what = f"send to rank {dst} (tag {tag})"
+        work = Work(what)
+        if not reqs:
+            work._finish(None)
+            return work
+        transport = self.transport
 
-        def run():
-            seq = self._p2p_sent.get(dst, 0) + 1
-            self._p2p_sent[dst] = seq
-            peer = self.group[dst]
-            what = f"send to rank {dst} (tag {tag})"
-            reqs = [self.transport.isend(peer, header, self._p2p_tag(seq, tag, _P2P_HEADER))]
-            reqs.append(self.transport.isend(peer, flat.view(np.uint8),
-                                             self._p2p_tag(seq, tag, flat.nbytes)))
-            self.transport.wait_all(reqs, self._deadline(), what)
-        return self._submit("send", run, False)
+        def drive(timeout):
+            self._enter("wait on " + what)
+            try:
+                if not work.is_completed():
+                    try:
+                        transport.wait_all(reqs, self._p2p_deadline(timeout), what)
+                        work._finish(None)
+                    except CommTimeout:
+                        if timeout is None:
+                            raise
+                    except CommError as e:
+                        work._finish(error=_translate_peer(e, self.group))
+            finally:
+                self._exit()
+        work._drive = drive
+        work._keep = flat             # the buffer must live until the send completes
+        return work
 
-    def recv(self, src: int, tag: int = 0, out=None):
-        src = self._check_root(src, "recv")
+    def _irecv(self, src, tag, out) -> Tuple[Work, object]:
+        src = self._check_peer(src, "recv", True)
+        tag = self._check_tag(tag, "recv", True)
+        if out is not None and not isinstance(out, np.ndarray):
+            raise TypeError("recv: out= must be a numpy array")
+        self._usable("recv")
+        work = Work(f"recv from {'any source' if src == ANY_SOURCE else f'rank {src}'} "
+                    f"({'any tag' if tag == ANY_TAG else f'tag {tag}'})")
+        work.status = Status()
+        r = self._p2p.post(src, tag, out, work)
+        engine = self._p2p
 
-        def run():
-            seq = self._p2p_recvd.get(src, 0) + 1
-            self._p2p_recvd[src] = seq
-            peer = self.group[src]
-            what = f"recv from rank {src} (tag {tag})"
-            header = np.empty(_P2P_HEADER, dtype=np.uint8)
-            self.transport.wait_all(
-                [self.transport.irecv(peer, header, self._p2p_tag(seq, tag, _P2P_HEADER))],
-                self._deadline(), what)
-            dstr, _, shp = header.tobytes().rstrip(b"\0").decode().partition(";")
-            shape = tuple(int(s) for s in shp.split(",") if s)
-            res, flat = self._make_out(out, shape, np.dtype(dstr), "recv")
-            self.transport.wait_all(
-                [self.transport.irecv(peer, flat.view(np.uint8), self._p2p_tag(seq, tag, flat.nbytes))],
-                self._deadline(), what)
-            return res
-        return self._submit("recv", run, False)
+        def drive(timeout):
+            self._enter("wait on " + work.description)
+            try:
+                if work.is_completed():
+                    return
+                try:
+                    engine.progress(r.done, self._p2p_deadline(timeout), work.description)
+                except CommTimeout as e:
+                    if timeout is not None:   # wait(timeout) may be retried: keep the receive
+                        raise
+                    engine.cancel(r)
+                    work._finish(error=e)
+                    return
+                except CommError as e:
+                    engine.cancel(r)
+                    work._finish(error=e)
+                    return
+                if r.error is not None:
+                    work._finish(error=r.error)
+                else:
+                    work._finish(r.result)
+            finally:
+                self._exit()
+        work._drive = drive
+        if r.done():
+            drive(None)
+        return work, r
+
+    @_serialized("isend")
+    def isend(self, x, dst: int, tag: int = 0) -> Work:
+        """Post one message to ``dst``; ``wait()`` returns once ``x`` may be reused."""
+        return self._isend(x, dst, tag)
+
+    @_serialized("send")
+    def send(self, x, dst: int, tag: int = 0) -> None:
+        """One message to ``dst``, matched on (source, tag) by the receiver."""
+        self._isend(x, dst, tag).wait()
+
+    @_serialized("irecv")
+    def irecv(self, src: int, tag: int = 0, out=None) -> Work:
+        """Post a receive; ``wait()`` returns the array, ``status`` tells what it matched."""
+        return self._irecv(src, tag, out)[0]
+
+    @_serialized("recv")
+    def recv(self, src: int, tag: int = 0, out=None, status: Optional[Status] = None,
+             timeout: Optional[float] = None):
+        """Receive one message from ``src`` (or ``ANY_SOURCE``) with ``tag`` (or ``ANY_TAG``);
+        shape and dtype come from the message. ``out=`` is checked before anything is consumed.
+        ``timeout`` (seconds, default the communicator's) cancels only this receive."""
+        work, r = self._irecv(src, tag, out)
+        if not work.is_completed():
+            try:
+                self._p2p.progress(r.done, self._p2p_deadline(timeout), work.description)
+            except CommError:
+                self._p2p.cancel(r)
+                raise
+            work._finish(r.result, r.error)
+        y = work.wait(0)
+        if status is not None:
+            st = work.status
+            status.source, status.tag, status.nbytes = st.source, st.tag, st.nbytes
+            status.dtype, status.shape = st.dtype, st.shape
+        return y
 
     # ------------------------------------------------------------------ objects (cloudpickle)
+    @_serialized("broadcast_object")
     def broadcast_object(self, obj=None, root=0):
         root = self._check_root(root, "broadcast_object")
         data = _pickle(obj) if self.rank == root else np.empty(0, dtype=np.uint8)
@@ -563,6 +764,7 @@ class Communicator:
         buf = data if self.rank == root else np.empty(int(n[0]), dtype=np.uint8)
         return _unpickle(self.broadcast(buf, root=root))
 
+    @_serialized("allgather_object")
     def allgather_object(self, obj) -> List[Any]:
         data = _pickle(obj)
         sizes = self.allgather(np.array([data.size], dtype=np.int64))[:, 0]
@@ -571,6 +773,7 @@ class Communicator:
         rows = self.allgather(padded)
         return [_unpickle(rows[r, :sizes[r]]) for r in range(self.size)]
 
+    @_serialized("gather_object")
     def gather_object(self, obj, root=0):
         root = self._check_root(root, "gather_object")
         data = _pickle(obj)
@@ -582,6 +785,7 @@ class Communicator:
             return None
         return [_unpickle(rows[r, :sizes[r]]) for r in range(self.size)]
 
+    @_serialized("scatter_object")
     def scatter_object(self, objs=None, root=0):
         root = self._check_root(root, "scatter_object")
         if self.rank == root:
@@ -602,37 +806,84 @@ class Communicator:
     def send_object(self, obj, dst: int, tag: int = 0) -> None:
         self.send(_pickle(obj), dst, tag)
 
-    def recv_object(self, src: int, tag: int = 0):
-        return _unpickle(self.recv(src, tag))
+    def recv_object(self, src: int, tag: int = 0, status: Optional[Status] = None,
+                    timeout: Optional[float] = None):
+        return _unpickle(self.recv(src, tag, status=status, timeout=timeout))
 
     # ------------------------------------------------------------------ groups
+    @_serialized("split")
     def split(self, color, key=None) -> Optional["Communicator"]:
         """MPI_Comm_split: ranks with the same color form a communicator, ordered by (key, rank).
-        color None or negative (MPI_UNDEFINED) -> this rank gets None."""
-        self._split_count += 1
-        k = self.rank if key is None else key
-        entries = self.allgather_object((color, k, self.rank))
-        if color is None or (isinstance(color, int) and color < 0):
-            return None
-        members = sorted((kk, r) for c, kk, r in entries if c == color)
+        color None or negative (MPI_UNDEFINED) -> this rank gets None. The new communicator's
+        number is allocated by the group's lowest rank and sent to the others (see WORLD_ID)."""
+        if color is not None and (not isinstance(color, numbers.Integral)
+                                  or isinstance(color, bool)):
+            raise TypeError(f"split: color must be an int (or None / negative for no group), "
+                            f"got {type(color).__name__} {color!r}")
+        if key is not None and not isinstance(key, numbers.Integral):
+            raise TypeError(f"split: key must be an int, got {type(key).__name__} {key!r}")
+        color = -1 if color is None or int(color) < 0 else int(color)
+        k = self.rank if key is None else int(key)
+        table = self.allgather(np.array([color, k], dtype=np.int64))
+        members = sorted((int(table[r, 1]), r) for r in range(self.size)
+                         if color >= 0 and table[r, 0] == color)
         ranks = [r for _, r in members]
-        sub_id = zlib.crc32(repr((self.comm_id, self._split_count, color)).encode()) & 0xFFFFFFFF
-        sub_id = (sub_id << 8 | 2) & (_P2P_CONTEXT - 1)
+        mine = -1
+        if ranks and self.rank == min(ranks):
+            mine = (self.group[self.rank] + 1) * _SPLIT_BASE + next(_id_counter) % _SPLIT_BASE
+        ids = self.allgather(np.array([mine], dtype=np.int64))
+        if color < 0:
+            return None
         return Communicator(self.transport, ranks.index(self.rank), len(ranks),
                             group=[self.group[r] for r in ranks],
-                            topology=[self.topology[r] for r in ranks], comm_id=sub_id,
-                            timeout=self.timeout, check=self.check, link_model=self.link_model,
-                            _owner=False)
+                            topology=[self.topology[r] for r in ranks],
+                            comm_id=int(ids[min(ranks), 0]), timeout=self.timeout,
+                            check=self.check, link_model=self.link_model, _owner=False)
+
+    def abort(self, reason: str = "aborted by the user") -> None:
+        """Fail this communicator now: a call blocked in another thread raises at once, queued
+        work fails, later calls raise; peers blocked on this rank learn of it."""
+        err = CommError(f"communicator aborted: {reason}")
+        self._closing_error = err
+        self._break(err)
 
     def close(self) -> None:
+        """Finish queued async work (each call bounded by its own deadline), then release the
+        communicator. Called from another thread while a call runs, it fails that call (and
+        the queued ones) with a CommError at once instead, and waits for it to leave before it
+        frees anything."""
         if self._closed:
             return
+        me = threading.get_ident()
+        busy = self._busy_thread
+        if busy is not None and busy != me:
+            err = CommError(f"{self.busy_with}: communicator closed by close() on thread "
+                            f"{threading.current_thread().name!r} while this call ran")
+            self._closing_error = err
+            self._closed = True
+            self.transport.cancel_context(self._ctx, err)
+            self.transport.cancel_context(self._p2p.ctx, err)
+            # the woken call leaves promptly; never tear down under it
+            if self._guard.acquire(timeout=max(10.0, min(self.timeout, 60.0))):
+                self._guard.release()
         if self._worker is not None:
-            # let queued async work finish first (bounded by each call's own deadline)
             self._queue.put(None)
             self._worker.join(self.timeout)
+            if self._worker.is_alive():
+                # a queued call outlived its own deadline: fail it before memory goes away
+                err = self._closing_error or CommError("communicator closed while async work "
+                                                       "was still running")
+                self._closing_error = err
+                self.transport.cancel_context(self._ctx, err)
+                self._worker.join(10.0)
         self._closed = True
-        if self._owner:
+        if self._closing_error is None:
+            self._closing_error = CommError("communicator is closed")
+        if not self._owner:
+            closed = CommError("communicator is closed")
+            self.transport.cancel_context(self._ctx, closed)     # drop what peers still send
+            self.transport.cancel_context(self._p2p.ctx, closed)
+        else:
             self.transport.close()
             # the world communicator of a launched process also owns its rendezvous connection
             for res in (getattr(self, "_store", None), getattr(self, "_store_server", None)):
@@ -664,6 +915,24 @@ def _decode_meta(m: np.ndarray) -> Tuple[np.dtype, Tuple[int, ...]]:
     dtype = np.dtype(m[:1].tobytes().rstrip(b"\0").decode())
     nd = int(m[1])
     return dtype, tuple(int(v) for v in m[2:2 + nd])
+
+
+def _same_error(e: BaseException) -> BaseException:
+    """A fresh exception of ``e``'s class and message (one instance per raise)."""
+    try:
+        c = type(e)(str(e))
+    except Exception:
+        return CommError(str(e))
+    c.peer = getattr(e, "peer", None)
+    return c
+
+
+def _translate_peer(e: BaseException, group: Sequence[int]) -> BaseException:
+    """A transport's PeerFailure names a world rank: give this communicator's rank instead."""
+    world = getattr(e, "peer", None)
+    if isinstance(e, PeerFailure) and world in group:
+        e.peer = list(group).index(world)
+    return e
 
 
 def _pickle(obj) -> np.ndarray:

@@ -13,7 +13,10 @@ class CommTimeout(CommError):
 
 
 class PeerFailure(CommError):
-    """A peer died, closed its connection, or aborted the job."""
+    """A peer died, closed its connection, or aborted the job. ``peer`` is that peer's rank
+    (in the world of the transport that saw it; communicators translate it to theirs) when known."""
+    peer = None
+    clean = False     # the peer closed in order (finished), rather than crashing
 
 
 class MismatchError(CommError):

@@ -35,12 +35,14 @@ def test_mismatched_calls_raise_mismatch_error_on_every_rank(what):
     assert all(m is not None and "rank" in m for m in msgs), msgs
 
 
-def test_communicator_usable_after_a_detected_mismatch():
+def test_a_detected_mismatch_breaks_the_communicator_for_good():
     def fn(comm):
         with pytest.raises(mc.MismatchError):
             comm.allreduce(np.ones(comm.rank + 1))
-        return comm.allreduce(np.ones(2)).tolist()
-    assert spawn(fn) == [[3.0, 3.0]] * 3
+        with pytest.raises(mc.CommError, match="communicator is broken: MismatchError"):
+            comm.allreduce(np.ones(2))
+        return True
+    assert spawn(fn) == [True] * 3
 
 
 def test_type_errors_for_meaningless_ops():
@@ -106,15 +108,18 @@ def test_send_recv_learn_shape_and_dtype():
     assert spawn(fn, 2)[1] == (np.dtype(np.int16).str, (3, 4), 66, (0, 2))
 
 
-def test_recv_with_wrong_tag_is_a_mismatch():
+def test_recv_waits_for_its_tag_and_times_out_naming_it():
     def fn(comm):
         if comm.rank == 0:
             comm.send(np.ones(2), dst=1, tag=1)
+            comm.recv(1, tag=9)                      # alive until rank 1 is done
             return None
-        with pytest.raises(mc.MismatchError, match="tag"):
-            comm.recv(0, tag=2)
-        return True
-    assert spawn(fn, 2)[1]
+        with pytest.raises(mc.CommTimeout, match="tag 2"):
+            comm.recv(0, tag=2, timeout=0.5)
+        got = comm.recv(0, tag=1).tolist()           # the tag-1 message is still there
+        comm.send(np.zeros(1), 0, tag=9)
+        return got
+    assert spawn(fn, 2)[1] == [1.0, 1.0]
 
 
 def test_object_collectives():

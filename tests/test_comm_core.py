@@ -130,23 +130,24 @@ def test_close_from_another_thread_wakes_a_blocked_call():
 
 def test_close_from_another_thread_wakes_a_blocked_recv_over_shm():
     def fn(comm):
-        if comm.rank == 1:
-            comm.barrier()               # rank 0 is done before rank 1 closes
-            return None
         sub = comm.split(0)
-        comm.barrier()
+        if comm.rank == 1:
+            comm.recv(0, tag=99)         # stays alive (and silent on sub) until rank 0 is done
+            return None
         sub.timeout = 60
         closer = threading.Timer(0.3, sub.close)
         closer.start()
         try:
             sub.recv(1)
+            result = "returned"
         except mc.CommTimeout:
-            return "timed out"
+            result = "timed out"
         except mc.CommError as e:
-            return "closed" if "closed" in str(e) else str(e)
+            result = "closed" if "closed" in str(e) else str(e)
         finally:
             closer.join()
-        return "returned"
+        comm.send(np.zeros(1), 1, tag=99)
+        return result
     assert mc.spawn(fn, 2, transport="shm", timeout=60)[0] == "closed"
 
 
@@ -256,7 +257,8 @@ def test_point_to_point_over_processes(transport):
     assert mc.spawn(fn, 2, transport=transport, timeout=60) == [1.0, [1, 2, 3]]
 
 
-def test_a_flood_of_unexpected_messages_is_bounded(monkeypatch):
+@pytest.mark.parametrize("transport", ["inproc", "shm"])
+def test_a_flood_of_unexpected_messages_is_bounded(monkeypatch, transport):
     monkeypatch.setenv("MINICOMM_P2P_BUFFER_BYTES", str(64 << 10))
 
     def fn(comm):
@@ -275,7 +277,7 @@ def test_a_flood_of_unexpected_messages_is_bounded(monkeypatch):
         comm.barrier()
         got = [comm.recv(0, tag=1).size for _ in range(40)]
         return held, "limit" in msg, sum(got)
-    held, named, total = spawn(fn)[1]
+    held, named, total = mc.spawn(fn, 2, transport=transport, timeout=60)[1]
     assert held <= 64 << 10 and named and total == 40 * 4096
 
 

@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from extras import require
 
 REPO = Path(__file__).resolve().parent.parent

@@ -130,6 +130,16 @@ class RoutedTransport(Transport):
     def wait_all(self, requests: List[Request], deadline: float, what: str) -> None:
         self._progress.wait(requests, deadline, what)
 
+    def wait_any(self, requests: List[Request], deadline: float, what: str) -> None:
+        self._progress.wait(requests, deadline, what, any_done=True)
+
+    def cancel_context(self, ctx: int, error: BaseException) -> None:
+        for t in self._transports.values():
+            t.cancel_context(ctx, error)
+
+    def detach(self, req: Request):
+        return self._route(req.peer).detach(req)
+
     def describe(self) -> str:
         return f"rank {self.rank}: " + ", ".join(f"{k} to {self._routes[k]}"
                                                  for k in self._transports)

@@ -7,6 +7,9 @@ that process. It moves contiguous numpy buffers to and from peers (world ranks),
     req = t.irecv(peer, buf, tag, reduce=None)    # buf: contiguous 1-D numpy view to fill;
                                                   # reduce(dst, src) combines in place instead
     t.wait_all([req, ...], deadline, what)        # progress until all complete
+    t.wait_any([req, ...], deadline, what)        # progress until at least one completes
+    t.cancel_context(ctx, error)                  # a communicator broke or closed: see below
+    t.detach(req)                                 # a receive stops writing into its buffer
     t.close()
 
 Matching: messages from one peer with one ``tag.comm`` are matched in FIFO order (different
@@ -20,6 +23,13 @@ when ``deadline`` (a ``time.monotonic()`` value) passes, and ``PeerFailure`` as 
 waits on is known dead or closed. It must block (no busy-spin beyond a short spin), so that more
 ranks than cores still progress.
 
+Cancellation: ``cancel_context(ctx, error)`` drops every request of that ``tag.comm`` that has not
+started to move, makes every wait on one of its requests raise ``error`` at once (a blocked waiter
+is woken), and from then on drains and drops whatever peers still send on it, so a broken or
+closed communicator neither blocks the link for the others nor holds memory. An ``abort notice``
+(a message whose ``call`` is ``ABORT_CALL``, its ``step`` the failure kind) tells a peer that this
+rank broke a communicator: the peer's receive on it raises the matching error.
+
 ``reduce`` lets a transport reduce straight out of its landing memory (shared memory, a socket
 buffer it owns) into the destination, saving a copy: ``reduce(dst_view, incoming_view)`` performs
 ``dst op= incoming`` in place. Zero-byte messages are real messages (they order; barrier uses them).
@@ -32,6 +42,10 @@ from typing import Callable, List, NamedTuple, Optional
 import numpy as np
 
 ReduceFn = Callable[[np.ndarray, np.ndarray], None]
+
+
+ABORT_CALL = -7                 # Tag.call of an abort notice; Tag.step is one of ABORT_KINDS
+ABORT_KINDS = ("MismatchError", "CommTimeout", "PeerFailure", "CommError")
 
 
 class Tag(NamedTuple):
@@ -70,6 +84,17 @@ class Transport:
     def wait_all(self, requests: List[Request], deadline: float, what: str) -> None:
         raise NotImplementedError
 
+    def wait_any(self, requests: List[Request], deadline: float, what: str) -> None:
+        raise NotImplementedError
+
+    def cancel_context(self, ctx: int, error: BaseException) -> None:
+        raise NotImplementedError
+
+    def detach(self, req: Request) -> np.ndarray:
+        """Stop ``req`` (a receive) from writing into its buffer: give it a private one, holding
+        what arrived so far, and return that. For a done request, its own buffer."""
+        raise NotImplementedError
+
     def abort(self, reason: str) -> None:
         """Best effort: tell peers this rank is failing so they raise PeerFailure now."""
 
@@ -88,7 +113,16 @@ def check_tag(peer: int, expected: Tag, got: Tag, exp_nbytes: int, got_nbytes: i
     if (got.comm == expected.comm and got.seq == expected.seq and got.call == expected.call
             and got.count == expected.count and exp_nbytes == got_nbytes):
         return
+    from minicomm import errors
     from minicomm.errors import MismatchError, describe_call
+    if got.call == ABORT_CALL:
+        kind = ABORT_KINDS[got.step] if 0 <= got.step < len(ABORT_KINDS) else "CommError"
+        cls = MismatchError if kind == "MismatchError" else errors.PeerFailure
+        err = cls(f"rank {peer} broke this communicator at its call #{got.count} with a {kind} "
+                  f"(its own error names the cause); this rank was in call #{expected.seq} "
+                  f"({describe_call(expected)})")
+        err.peer = peer
+        raise err
     if got.comm != expected.comm or got.seq != expected.seq:
         raise MismatchError(
             f"desynchronised with rank {peer}: expected a message of call #{expected.seq} "

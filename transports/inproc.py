@@ -30,6 +30,7 @@ class Fabric:
         self.queues = defaultdict(deque)       # (src, dst, comm) -> deque[(tag, payload)]
         self.failure: Optional[BaseException] = None
         self.closed = set()
+        self.cancelled = set()                 # (rank, comm): that rank dropped that context
 
     def abort(self, rank: int, exc: BaseException) -> None:
         with self.cond:
@@ -44,11 +45,18 @@ class InprocTransport(Transport):
 
     def __init__(self, fabric: Fabric, rank: int):
         self.fabric, self.rank, self.size = fabric, rank, fabric.size
+        self._cancelled: dict = {}
+        self._posted = defaultdict(deque)      # (peer, comm) -> receives in posting order
 
     def isend(self, peer: int, buf: np.ndarray, tag: Tag) -> Request:
         fab = self.fabric
         payload = buf.copy()
         with fab.cond:
+            if peer in fab.closed or (peer, tag.comm) in fab.cancelled \
+                    or tag.comm in self._cancelled:
+                req = Request(peer, buf, tag, None, True)
+                req.done = True           # nobody will receive it: dropped, as on a wire
+                return req
             fab.queues[(self.rank, peer, tag.comm)].append((tag, payload))
             fab.cond.notify_all()
         req = Request(peer, buf, tag, None, True)
@@ -57,33 +65,93 @@ class InprocTransport(Transport):
 
     def irecv(self, peer: int, buf: np.ndarray, tag: Tag,
               reduce: Optional[ReduceFn] = None) -> Request:
-        return Request(peer, buf, tag, reduce, False)
+        req = Request(peer, buf, tag, reduce, False)
+        with self.fabric.cond:
+            self._posted[(peer, tag.comm)].append(req)   # matched in posting order (FIFO)
+        return req
 
     def wait_all(self, requests: List[Request], deadline: float, what: str) -> None:
+        self._wait(requests, deadline, what, any_done=False)
+
+    def wait_any(self, requests: List[Request], deadline: float, what: str) -> None:
+        self._wait(requests, deadline, what, any_done=True)
+
+    def _wait(self, requests: List[Request], deadline: float, what: str, any_done: bool) -> None:
         fab = self.fabric
-        for req in requests:
-            if req.done:
-                continue
-            q = fab.queues[(req.peer, self.rank, req.tag.comm)]
-            with fab.cond:
-                while not q:
-                    if fab.failure is not None:
-                        raise type(fab.failure)(str(fab.failure))
-                    if req.peer in fab.closed:
-                        raise PeerFailure(f"{what}: rank {req.peer} closed its communicator while "
-                                          f"rank {self.rank} waits for it (step {req.tag.step})")
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise CommTimeout(f"{what}: rank {self.rank} timed out at step {req.tag.step} "
-                                          f"waiting for a message from rank {req.peer}")
-                    fab.cond.wait(left)
-                tag, payload = q.popleft()
-            check_tag(req.peer, req.tag, tag, req.buf.nbytes, payload.nbytes)
-            if req.reduce is not None:
-                req.reduce(req.buf, payload)
+        with fab.cond:
+            while True:
+                pending = None
+                for req in requests:
+                    if not req.done:
+                        self._try_complete(req, what)
+                    if req.done:
+                        if any_done:
+                            return
+                    elif pending is None:
+                        pending = req
+                if pending is None:
+                    return
+                if fab.failure is not None:
+                    raise type(fab.failure)(str(fab.failure))
+                for req in requests:
+                    if not req.done:
+                        self._check(req, what)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CommTimeout(f"{what}: rank {self.rank} timed out at step "
+                                      f"{pending.tag.step} waiting for a message from rank "
+                                      f"{pending.peer}")
+                fab.cond.wait(left)
+
+    def _try_complete(self, req: Request, what: str) -> None:
+        """Under the fabric's lock: complete the receives posted on ``req``'s (peer, context)
+        in posting order, as far as their messages are there."""
+        key = (req.peer, req.tag.comm)
+        if req.tag.comm in self._cancelled:
+            return
+        q = self.fabric.queues.get((req.peer, self.rank, req.tag.comm))
+        posted = self._posted.get(key)
+        while q and posted:
+            head = posted[0]
+            tag, payload = q.popleft()
+            posted.popleft()
+            check_tag(head.peer, head.tag, tag, head.buf.nbytes, payload.nbytes)
+            if head.reduce is not None:
+                head.reduce(head.buf, payload)
             else:
-                req.buf[...] = payload
-            req.done = True
+                head.buf[...] = payload
+            head.done = True
+            if head is req:
+                return
+
+    def _check(self, req: Request, what: str) -> None:
+        err = self._cancelled.get(req.tag.comm)
+        if err is not None:
+            raise type(err)(str(err))
+        if req.peer in self.fabric.closed:
+            e = PeerFailure(f"{what}: rank {req.peer} closed its communicator while "
+                            f"rank {self.rank} waits for it (step {req.tag.step})")
+            e.peer, e.clean = req.peer, True
+            raise e
+
+    def cancel_context(self, ctx: int, error: BaseException) -> None:
+        fab = self.fabric
+        with fab.cond:
+            self._cancelled[ctx] = error
+            fab.cancelled.add((self.rank, ctx))
+            for key in [k for k in fab.queues if k[1] == self.rank and k[2] == ctx]:
+                del fab.queues[key]          # what peers sent on it is dropped
+            for key in [k for k in self._posted if k[1] == ctx]:
+                del self._posted[key]
+            fab.cond.notify_all()
+
+    def detach(self, req: Request) -> np.ndarray:
+        with self.fabric.cond:               # receives land atomically here: nothing half-done
+            if not req.done and not req.is_send:
+                private = np.empty(req.buf.nbytes, dtype=np.uint8)
+                req.buf, req.reduce = private, None
+                return private
+            return req.buf
 
     def abort(self, reason: str) -> None:
         self.fabric.abort(self.rank, PeerFailure(reason))

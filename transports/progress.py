@@ -39,6 +39,22 @@ import numpy as np
 from minicomm.errors import CommError, CommTimeout, PeerFailure, describe_call
 from .base import ReduceFn, Request, Tag, Transport, check_tag
 
+CLEAN_CLOSE = "it closed its transport"
+# Bytes of out-of-the-way messages one link may hold (see Inbox.match_header).
+def _byte_setting(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise ValueError(f"{name}={raw!r}: expected a byte count >= 0")
+    return v
+
+
+UNEXPECTED_LIMIT = _byte_setting("MINICOMM_UNEXPECTED_BYTES", 256 << 20)   # a peer's orderly goodbye, not a crash
 EDGE = select.EPOLLIN | select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
 SPIN_S = 50e-6                        # spin about one blocking wake-up's cost, then sleep
 HOT_SPIN_S = 4e-6                     # poll without yielding first: the peer is usually running
@@ -78,12 +94,14 @@ class Req(Request):
 class Unexpected:
     """A message that arrived before its receive was posted and had to be moved out of the way
     (it blocked a message for another communicator). ``claim`` is the receive that matched it
-    while it was still arriving. Engines fill it like a plain receive (``u8``, ``off``)."""
-    __slots__ = ("tag", "nbytes", "u8", "off", "reduce", "claim")
+    while it was still arriving. Engines fill it like a plain receive (``u8``, ``off``).
+    A ``dropped`` one (for a cancelled or poisoned communicator) is read and thrown away."""
+    __slots__ = ("tag", "nbytes", "u8", "off", "reduce", "claim", "buf")
 
-    def __init__(self, tag: Tag, nbytes: int):
+    def __init__(self, tag: Tag, nbytes: int, dropped: bool = False):
         self.tag, self.nbytes = tag, nbytes
         self.u8 = np.empty(nbytes, dtype=np.uint8)
+        self.buf = self.u8
         self.off = 0
         self.reduce = None
         self.claim: Optional[Req] = None
@@ -91,15 +109,23 @@ class Unexpected:
 
 class Inbox:
     """Receive-side matching for one peer: posted receives and unexpected messages, FIFO per
-    communicator (``tag.comm``), so communicators never steal each other's messages."""
-    __slots__ = ("peer", "posted", "unexpected", "n_posted", "error")
+    communicator (``tag.comm``), so communicators never steal each other's messages.
+
+    ``errors`` holds, per communicator, the mismatch its stream hit (that communicator is
+    poisoned, the others go on); ``discard`` the communicators that were cancelled: their
+    arriving messages are drained into a scratch buffer and dropped."""
+    __slots__ = ("peer", "posted", "unexpected", "n_posted", "errors", "discard", "held",
+                 "held_back")
 
     def __init__(self, peer: int):
         self.peer = peer
         self.posted: Dict[int, deque] = {}
         self.unexpected: Dict[int, deque] = {}
         self.n_posted = 0
-        self.error: Optional[BaseException] = None   # a mismatch poisons the stream for good
+        self.errors: Dict[int, BaseException] = {}
+        self.discard: set = set()
+        self.held = 0                 # bytes of unexpected messages held for this peer
+        self.held_back: Optional[str] = None     # why a message was left in the stream
 
     def post(self, req: Req) -> None:
         """Match ``req`` against an unexpected message of its communicator, or queue it."""
@@ -108,6 +134,7 @@ class Inbox:
             q = self.unexpected.get(comm)
             if q:
                 u = q.popleft()
+                self.held -= u.nbytes
                 if u.off == u.nbytes:
                     self.deliver_unexpected(u, req)
                 else:
@@ -137,9 +164,21 @@ class Inbox:
             try:
                 check_tag(self.peer, t, Tag(comm, seq, step, call, count), req.nbytes, nbytes)
             except CommError as e:
-                self.error = e
-            return None
+                # the communicator is poisoned: its waiter raises this (``check``), and this
+                # message and the rest of its stream are drained and dropped
+                self.errors[comm] = e
+            return Unexpected(Tag(comm, seq, step, call, count), nbytes, dropped=True)
+        if comm in self.discard or comm in self.errors:
+            return Unexpected(Tag(comm, seq, step, call, count), nbytes, dropped=True)
         if self.n_posted:
+            if self.held + nbytes > UNEXPECTED_LIMIT:
+                # bounded: leave it in the stream; the receive behind it times out saying why
+                self.held_back = (f"{self.held} bytes of messages that no receive has taken yet "
+                                  f"are held for rank {self.peer} (the limit is "
+                                  f"{UNEXPECTED_LIMIT}); the next one ({nbytes} bytes, "
+                                  f"context {comm}) blocks the stream")
+                return None
+            self.held += nbytes
             u = Unexpected(Tag(comm, seq, step, call, count), nbytes)
             self.unexpected.setdefault(comm, deque()).append(u)
             return u
@@ -156,13 +195,23 @@ class Inbox:
         try:
             check_tag(self.peer, req.tag, u.tag, req.nbytes, u.nbytes)
         except CommError as e:
-            self.error = e
+            self.errors[req.tag[0]] = e
             return
         if req.reduce is not None:
             req.reduce(req.buf.reshape(-1), u.u8.view(req.buf.dtype))
         else:
             req.u8[:] = u.u8
         req.done = True
+
+    def cancel(self, comm: int) -> List:
+        """Forget communicator ``comm``'s posted receives and unexpected messages; drop what
+        arrives for it from now on. Returns the receives that were posted."""
+        self.discard.add(comm)
+        q = self.posted.pop(comm, None) or ()
+        self.n_posted -= len(q)
+        for u in self.unexpected.pop(comm, None) or ():
+            self.held -= u.nbytes
+        return list(q)
 
 
 def deliver(target, off: int, src_u8: np.ndarray) -> None:
@@ -197,6 +246,29 @@ class Progress:
         self._polling = False
         self._waiters = 0             # threads in cv.wait: notify only when there are some
         self._closed = False
+        # ``interrupt`` writes here: a poller blocked in epoll_wait wakes and re-checks its
+        # requests (a communicator closed or broken by another thread)
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._handlers[self._wake_r] = self._drain_wake
+        self.ep.register(self._wake_r, EDGE)
+
+    def _drain_wake(self, events: int) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def interrupt(self) -> None:
+        """Wake every thread waiting in this progress engine (from any thread)."""
+        with self.lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._wake_w, b"\x01")
+            except (BlockingIOError, OSError):
+                pass                  # a wake-up is already pending
+            self.cv.notify_all()
 
     def attach(self, engine, spin: bool) -> None:
         with self.lock:
@@ -222,6 +294,8 @@ class Progress:
             if not self.engines and not self._closed:
                 self._closed = True
                 self.ep.close()
+                for fd in (self._wake_r, self._wake_w):
+                    os.close(fd)
             self.cv.notify_all()
 
     def _pass(self) -> bool:
@@ -231,12 +305,18 @@ class Progress:
                 moved = True
         return moved
 
-    def wait(self, reqs: List[Req], deadline: float, what: str) -> None:
+    def wait(self, reqs: List[Req], deadline: float, what: str, any_done: bool = False) -> None:
+        """Progress until every request in ``reqs`` is done (``any_done``: at least one)."""
         for r in reqs:
             if not r.done:
+                if any_done:
+                    continue
                 break
+            elif any_done:
+                return
         else:
-            return                                # completed on the spot (eager isend/irecv)
+            if not any_done or not reqs:
+                return                            # completed on the spot (eager isend/irecv)
         lock = self.lock
         started = time.monotonic()
         # Poll without yielding for a few microseconds (the peer usually runs on another core
@@ -256,8 +336,12 @@ class Progress:
                 pending = None
                 for r in reqs:
                     if not r.done:
-                        pending = r
-                        break
+                        if pending is None:
+                            pending = r
+                            if not any_done:
+                                break
+                    elif any_done:
+                        return
                 if pending is None:
                     return
                 for r in reqs:
@@ -327,16 +411,26 @@ def _timeout(pending: Req, reqs: List[Req], what: str, waited: float) -> CommTim
     t = pending.tag
     direction = (f"send {pending.nbytes} bytes to" if pending.is_send
                  else f"receive {pending.nbytes} bytes from")
+    note = ""
+    try:
+        held = pending.engine._link(pending.peer).inbox.held_back
+        if held and not pending.is_send:
+            note = f"; {held}"
+    except Exception:
+        pass
     return CommTimeout(
         f"{what}: rank {pending.engine.rank} timed out after {waited:.1f}s at step {t.step} of "
         f"call #{t.seq} ({describe_call(t)}) waiting to {direction} rank {pending.peer} over "
-        f"{pending.engine.name} ({n} of {len(reqs)} requests of this wait still pending)")
+        f"{pending.engine.name} ({n} of {len(reqs)} requests of this wait still pending){note}")
 
 
 def peer_failure(engine, req: Req, what: str, reason: str) -> PeerFailure:
     direction = "sending to" if req.is_send else "receiving from"
-    return PeerFailure(f"{what}: rank {engine.rank} {direction} rank {req.peer} over "
-                       f"{engine.name} at step {req.tag.step} of call #{req.tag.seq}: {reason}")
+    e = PeerFailure(f"{what}: rank {engine.rank} {direction} rank {req.peer} over "
+                    f"{engine.name} at step {req.tag.step} of call #{req.tag.seq}: {reason}")
+    e.peer = req.peer
+    e.clean = reason.startswith(CLEAN_CLOSE)
+    return e
 
 
 class LinkEngine(Transport):
@@ -350,11 +444,18 @@ class LinkEngine(Transport):
     def _link(self, peer: int):
         raise NotImplementedError
 
+    _cancelled: Dict[int, BaseException]
+
     def check(self, req: Req, what: str) -> None:
+        ctx = req.tag[0]
+        cancelled = self._cancelled.get(ctx) if self._cancelled else None
+        if cancelled is not None:
+            raise _copy_error(cancelled)
         link = self._link(req.peer)
-        if not req.is_send and link.inbox.error is not None:
-            e = link.inbox.error
-            raise type(e)(str(e))
+        if not req.is_send and link.inbox.errors:
+            e = link.inbox.errors.get(ctx)
+            if e is not None:
+                raise _copy_error(e)
         if self._aborted is not None:
             raise peer_failure(self, req, what, f"this rank aborted: {self._aborted}")
         if link.closed is not None:
@@ -363,3 +464,50 @@ class LinkEngine(Transport):
     def describe(self) -> str:
         return (f"rank {self.rank}: {self.name} to {self.peer_ranks}" if self.peer_ranks
                 else f"rank {self.rank}: no peers")
+
+    def _links(self):
+        raise NotImplementedError
+
+    def cancel_context(self, ctx: int, error: BaseException) -> None:
+        with self._lock:
+            self._cancelled[ctx] = error
+            for link in self._links():
+                for req in link.inbox.cancel(ctx):
+                    _detach_locked(req)
+                cur = link.rx_cur
+                if cur is not None and cur.tag[0] == ctx and cur.__class__ is Req:
+                    _detach_locked(cur)          # mid-arrival: finish into a private buffer
+                # sends that have not started to move are dropped; a started one finishes (the
+                # stream must stay framed for the other communicators)
+                kept = [r for r in link.txq if r.tag[0] != ctx or r.off > 0]
+                if len(kept) != len(link.txq):
+                    link.txq.clear()
+                    link.txq.extend(kept)
+        self._progress.interrupt()
+
+    def detach(self, req: Req) -> np.ndarray:
+        with self._lock:
+            return _detach_locked(req)
+
+
+def _detach_locked(req) -> np.ndarray:
+    if req.done or req.is_send:
+        return req.buf
+    private = np.empty(req.nbytes, dtype=np.uint8)
+    if req.off:
+        private[:req.off] = req.u8[:req.off]
+    req.buf = req.u8 = private
+    req.reduce = None
+    return private
+
+
+def _copy_error(e: BaseException) -> BaseException:
+    """A fresh exception of the same class and message (one instance is never raised by two
+    threads at once); keeps ``peer``."""
+    try:
+        c = type(e)(str(e))
+    except Exception:
+        return e
+    if getattr(e, "peer", None) is not None:
+        c.peer = e.peer
+    return c

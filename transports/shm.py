@@ -51,7 +51,7 @@ import numpy as np
 from minicomm.errors import CommError, CommTimeout
 from minicomm.rendezvous import accept_peers, dial_peer
 from .base import ReduceFn, Request, Tag
-from .progress import Inbox, LinkEngine, Progress, Req, deliver, fence
+from .progress import CLEAN_CLOSE, Inbox, LinkEngine, Progress, Req, deliver, fence
 
 SHM_DIR = "/dev/shm"
 PAGE = 4096
@@ -72,6 +72,7 @@ _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 _WAKE = b"\x01"
 _ABORT = b"\x00"                      # then the reason, then EOF
 _ABORTED = "it aborted: "
+_BYE = b"\x02"                        # an orderly close: then EOF
 _JOB_ID = re.compile(r"[A-Za-z0-9_.-]+")
 
 _linked: set = set()                  # segments this process created and has not yet unlinked
@@ -163,6 +164,7 @@ class ShmTransport(LinkEngine):
         self._flag_q = None                       # our segment's first page as int64 words
         self._path: Optional[str] = None
         self._aborted: Optional[str] = None
+        self._cancelled: Dict[int, BaseException] = {}
         self._closed = False
         self._listener: Optional[socket.socket] = None
         try:
@@ -312,7 +314,7 @@ class ShmTransport(LinkEngine):
         no earlier receive of its communicator waits: no request object, no matching queue.
         False (nothing consumed): the caller posts the receive as usual."""
         ib = p.inbox
-        if ib.error is not None or ib.posted.get(tag[0]) or ib.unexpected.get(tag[0]):
+        if ib.errors or ib.posted.get(tag[0]) or ib.unexpected.get(tag[0]):
             return False
         tail = p.rx_tail
         if tail == p.rx_head:
@@ -362,6 +364,9 @@ class ShmTransport(LinkEngine):
 
     def wait_all(self, requests: List[Request], deadline: float, what: str) -> None:
         self._progress.wait(requests, deadline, what)
+
+    def wait_any(self, requests: List[Request], deadline: float, what: str) -> None:
+        self._progress.wait(requests, deadline, what, any_done=True)
 
     def progress(self) -> bool:
         """One non-blocking pass over every peer with work (called under the progress lock)."""
@@ -446,7 +451,7 @@ class ShmTransport(LinkEngine):
         ib = p.inbox
         tail, head = p.rx_tail, p.rx_head
         moved = False
-        while ib.error is None:
+        while True:
             if tail == head:
                 head = p.rx_q[_HEAD]
                 if tail == head:
@@ -516,9 +521,14 @@ class ShmTransport(LinkEngine):
                 p.closed += data.decode(errors="replace")     # the reason, continued
             elif _ABORT in data:
                 p.closed = _ABORTED + data[data.index(_ABORT) + 1:].decode(errors="replace")
+            elif _BYE in data and p.closed is None:
+                p.closed = CLEAN_CLOSE + " (it finished)"
 
     def _link(self, peer: int):
         return self._peers[peer]
+
+    def _links(self):
+        return self._peers.values()
 
     # --------------------------------------------------------------------------- lifetime
     def abort(self, reason: str) -> None:
@@ -543,6 +553,11 @@ class ShmTransport(LinkEngine):
             for p in self._peers.values():
                 if p.fd >= 0:
                     self._progress.unregister(p.fd)
+                if p.sock is not None and self._aborted is None:
+                    try:
+                        p.sock.send(_BYE, _NOWAIT)    # orderly: peers tell it from a crash
+                    except OSError:
+                        pass
         self._progress.detach(self)
         self._teardown()
 

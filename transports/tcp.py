@@ -41,13 +41,14 @@ import numpy as np
 
 from minicomm.rendezvous import accept_peers, dial_peer
 from .base import ReduceFn, Request, Tag
-from .progress import Inbox, LinkEngine, Progress, Req, deliver
+from .progress import CLEAN_CLOSE, Inbox, LinkEngine, Progress, Req, deliver
 
 _FRAME = struct.Struct("<6q")
 FRAME = _FRAME.size
 RX_BYTES = 256 << 10                  # staging / bounce buffer per connection (fits in L2)
 DIRECT = 64 << 10                     # plain receives at least this large bypass staging
 ABORT_COMM = -1
+BYE_COMM = -2                         # an orderly close (then FIN)
 _MAX_IOV = 128
 _SEND_FLAGS = socket.MSG_NOSIGNAL
 _READ_EV = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
@@ -89,6 +90,7 @@ class TcpTransport(LinkEngine):
         self._conns: Dict[int, _Conn] = {}
         self._active: Dict[_Conn, None] = {}
         self._aborted: Optional[str] = None
+        self._cancelled: Dict[int, BaseException] = {}
         self._closed = False
         if self.peer_ranks:
             socks = self._connect_all(store, token, bind_host, time.monotonic() + timeout)
@@ -164,6 +166,9 @@ class TcpTransport(LinkEngine):
     def wait_all(self, requests: List[Request], deadline: float, what: str) -> None:
         self._progress.wait(requests, deadline, what)
 
+    def wait_any(self, requests: List[Request], deadline: float, what: str) -> None:
+        self._progress.wait(requests, deadline, what, any_done=True)
+
     def progress(self) -> bool:
         moved = False
         for c in list(self._active):
@@ -217,7 +222,7 @@ class TcpTransport(LinkEngine):
         ib = c.inbox
         rx = c.rx_np
         moved = False
-        while ib.error is None:
+        while True:
             target = c.rx_cur
             if target is None:
                 if c.hi - c.lo < FRAME:
@@ -228,6 +233,9 @@ class TcpTransport(LinkEngine):
                 if comm == ABORT_COMM:
                     reason = bytes(c.rx[c.lo + FRAME:min(c.hi, c.lo + FRAME + total)])
                     c.closed = "it aborted: " + reason.decode(errors="replace")
+                    break
+                if comm == BYE_COMM:
+                    c.closed = c.closed or CLEAN_CLOSE + " (it finished)"
                     break
                 target = ib.match(Tag(comm, seq, step, call, count), total)
                 if target is None:
@@ -312,6 +320,9 @@ class TcpTransport(LinkEngine):
     def _link(self, peer: int):
         return self._conns[peer]
 
+    def _links(self):
+        return self._conns.values()
+
     # --------------------------------------------------------------------------- lifetime
     def abort(self, reason: str) -> None:
         with self._lock:
@@ -336,6 +347,9 @@ class TcpTransport(LinkEngine):
             for c in self._conns.values():
                 self._progress.unregister(c.fd)
                 try:
+                    if self._aborted is None and (not c.txq or c.txq[0].off == 0):
+                        c.sock.send(_FRAME.pack(BYE_COMM, 0, 0, 0, 0, 0),
+                                    _SEND_FLAGS | socket.MSG_DONTWAIT)
                     c.sock.shutdown(socket.SHUT_WR)      # FIN after the data still queued
                 except OSError:
                     pass

@@ -45,6 +45,7 @@ def main() -> int:
     threading.Thread(target=_watch_parent, args=(stdin,), daemon=True).start()
     out_fd = cfg["result_fd"]
     comm = None
+    code = 1
     try:
         fn, args = cloudpickle.loads(blob)
         from minicomm.launch.world import connect_world
@@ -59,6 +60,10 @@ def main() -> int:
     finally:
         if comm is not None:
             try:
+                if code != 0:
+                    # a failing rank is not a finished one: peers must see a failure (abort),
+                    # not the orderly goodbye that close() sends
+                    comm.transport.abort(record[1][1])
                 comm.close()
             except Exception:
                 pass

@@ -2,6 +2,7 @@
 
     minicomm bench allreduce -b 8 -e 64M -f 4 -n 2 --transport shm --algorithms ring,rhd,auto
     minicomm bench all -b 1K -e 1M --peers mpi,gloo --csv out.csv --plot busbw.png
+    minicomm bench pushpull       # parameter server vs allreduce vs p2p (minicomm.tools.pushpull_bench)
 
 Method, per collective and size, separately for out-of-place and in-place buffers:
   every library (each minicomm algorithm, then each peer) is warmed up; the iterations per batch
@@ -502,7 +503,10 @@ def run_in_launched_job(cfg: BenchConfig, tune_path=_NO_TUNE):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("collective", nargs="?", default="allreduce",
-                   help=f"one of {', '.join(COLLECTIVES)}; a comma list; or 'all'")
+                   help=f"one of {', '.join(COLLECTIVES)}; a comma list; 'all'; or 'pushpull' "
+                        f"(parameter server vs allreduce vs p2p, see minicomm.tools.pushpull_bench)")
+    p.add_argument("--servers", type=int, default=2,
+                   help="pushpull: parameter servers (workers: -n minus this, default 2)")
     p.add_argument("-b", "--minbytes", default="8", help="smallest size (e.g. 8, 1K, 4M)")
     p.add_argument("-e", "--maxbytes", default="1M", help="largest size")
     p.add_argument("-f", "--stepfactor", type=float, default=4.0, help="size multiplier")
@@ -559,6 +563,9 @@ def config_from_args(a) -> BenchConfig:
 
 
 def main_from_cli(a) -> int:
+    if a.collective == "pushpull":
+        from .pushpull_bench import main_from_cli as pushpull_main
+        return pushpull_main(a)
     launched = os.environ.get("MINICOMM_RANK") not in (None, "")
     try:
         cfg = config_from_args(a)

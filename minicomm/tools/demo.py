@@ -1,0 +1,517 @@
+"""``minicomm demo``: one numpy MLP trained on this machine every way minicomm can train it.
+
+    minicomm demo                       # single, allreduce ring/rhd/auto, PS sync/async/ssp
+    minicomm demo --workers 4 --servers 2 --steps 300 --transport tcp
+    minicomm demo --json                # one JSON object on stdout, nothing else
+
+Runs, all on the same data and seed (``minicomm.training``):
+  single     one process, large-batch SGD on the global batch (the reference);
+  allreduce  ``--workers`` processes, DDP-style gradient buckets averaged by async allreduce
+             (ring, rhd and auto by default; ``--modes`` picks others: tree, hier);
+  ps-sync    ``--servers`` server + ``--workers`` worker processes, ``minicomm.ps`` staleness 0;
+  ps-async   the same, staleness None; ps-ssp: staleness ``--staleness`` (2).
+The synchronous modes follow the single-process trajectory to float tolerance; async and SSP
+take W smaller steps per global batch and end near it. The PS modes need ``minicomm.ps``; where
+it cannot be imported they are skipped with a note (the JSON lists them under "skipped").
+
+Every run draws a progress bar on stderr (tqdm when installed, else one plain line). At the end:
+one table — mode, algorithm, workers, servers, final loss (mean cross-entropy over the whole
+training split), test accuracy, wall time of the training loop (process start-up excluded),
+samples/s, and the payload bytes one worker sends and receives per step — then a measured
+comparison in terms of the bytes through the busiest endpoint (a server's link vs a worker's).
+Byte counts: allreduce = the Send/Recv ops of each bucket's schedule
+(``minicomm.algorithms.build_schedule``) x itemsize; PS = the gradients a worker pushes and the
+parameters it pulls; a server's share comes from the parameter server's sharding plan
+(``--chunk-bytes`` 8 KiB spreads the small model over the servers).
+With matplotlib installed it writes loss-vs-step, loss-vs-time and throughput plots to ``--out``
+(``./minicomm-demo``).
+
+Defaults (2 workers, 2 servers, 400 steps of a 64-sample global batch, lr 0.2) finish in well
+under a minute on a 2-core machine; most of that is starting processes. They are chosen so the
+synchronous runs are near convergence (test accuracy on digits about 0.96), where async and SSP,
+which take W smaller steps per global batch, end within about a point of them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+from ..training.data import DATASETS, Dataset, load_dataset
+from ..training.data_parallel import DEFAULT_BUCKET_CAP, train_data_parallel
+from ..training.ps_trainer import ps_available, train_ps
+from ..training.single import RankLog, TrainConfig, evaluate, train_single
+
+ALLREDUCE_ALGORITHMS = ("ring", "tree", "rhd", "hier", "auto")
+PS_MODES = ("ps-sync", "ps-async", "ps-ssp")
+ALL_MODES = ("single",) + ALLREDUCE_ALGORITHMS + PS_MODES
+DEFAULT_MODES = ("single", "ring", "rhd", "auto") + PS_MODES
+TRANSPORTS = ("auto", "shm", "tcp", "inproc")
+SPAWN_TIMEOUT = 300.0      # seconds per wait inside a run: a hang fails the run, never the box
+# The demo's model is ~38 KB: with ps.start's 4 MiB default every array would sit whole on one
+# server (w1 alone is 85 % of the model). 8 KiB pieces spread it over the servers, BytePS-style.
+DEMO_CHUNK_BYTES = 8 << 10
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    mode: str                   # single | allreduce | ps-sync | ps-async | ps-ssp
+    algorithm: Optional[str]    # allreduce only
+    workers: int
+    servers: int
+    staleness: Optional[int]    # PS only (None for async)
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode} {self.algorithm}" if self.algorithm else self.mode
+
+
+def plan_runs(modes: Sequence[str], workers: int, servers: int, staleness: int) -> List[RunSpec]:
+    specs = []
+    for m in modes:
+        if m == "single":
+            specs.append(RunSpec("single", None, 1, 0, None))
+        elif m in ALLREDUCE_ALGORITHMS:
+            specs.append(RunSpec("allreduce", m, workers, 0, None))
+        elif m == "ps-sync":
+            specs.append(RunSpec(m, None, workers, servers, 0))
+        elif m == "ps-async":
+            specs.append(RunSpec(m, None, workers, servers, None))
+        elif m == "ps-ssp":
+            specs.append(RunSpec(m, None, workers, servers, staleness))
+        else:
+            raise ValueError(f"unknown mode {m!r}; choose from {', '.join(ALL_MODES)}")
+    return specs
+
+
+# ------------------------------------------------------------------------------ progress
+class Progress:
+    """A per-run progress bar on stderr: tqdm when importable, else one rewritten plain line."""
+
+    def __init__(self, label: str, total: int, enabled: bool = True):
+        self.label, self.total, self.enabled = label, total, enabled
+        self._bar = None
+        self._last = 0.0
+        self._done = 0
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self._write(0, None)
+        else:
+            self._bar = tqdm(total=total, desc=f"{label:<16}", file=sys.stderr, leave=True,
+                             unit="step", dynamic_ncols=True, mininterval=0.2)
+
+    def _write(self, done: int, loss: Optional[float]) -> None:
+        tail = "" if loss is None else f"  loss {loss:.4f}"
+        sys.stderr.write(f"\r{self.label:<16} {done:>6}/{self.total} steps{tail}")
+        sys.stderr.flush()
+
+    def __call__(self, step: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        self._done = step + 1
+        if self._bar is not None:
+            self._bar.update(1)
+            if self._done % 20 == 0 or self._done == self.total:
+                self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            return
+        now = time.monotonic()
+        if now - self._last >= 0.2 or self._done == self.total:
+            self._last = now
+            self._write(self._done, loss)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        else:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+# ------------------------------------------------------------------------------ runs
+def _allreduce_rank(comm, dataset, config, algorithm, bucket_cap, show_progress, label):
+    bar = Progress(label, config.steps, show_progress and comm.rank == 0)
+    try:
+        return train_data_parallel(comm, dataset, config, algorithm, bucket_cap, on_step=bar)
+    finally:
+        bar.close()
+
+
+def _ps_rank(comm, dataset, config, servers, staleness, chunk_bytes, show_progress, label):
+    bar = Progress(label, config.steps, show_progress and comm.rank == servers)
+    try:
+        return train_ps(comm, dataset, config, num_servers=servers, staleness=staleness,
+                        chunk_bytes=chunk_bytes, on_step=bar)
+    finally:
+        bar.close()
+
+
+def execute(spec: RunSpec, dataset: Dataset, config: TrainConfig, transport: str = "auto",
+            show_progress: bool = True, bucket_cap: int = DEFAULT_BUCKET_CAP,
+            chunk_bytes: int = DEMO_CHUNK_BYTES, timeout: float = SPAWN_TIMEOUT
+            ) -> List[RankLog]:
+    """Run one spec; the training ranks' logs (servers dropped), first worker first."""
+    import minicomm as mc
+    if spec.mode == "single":
+        bar = Progress(spec.label, config.steps, show_progress)
+        try:
+            return [train_single(dataset, config, on_step=bar)]
+        finally:
+            bar.close()
+    if spec.mode == "allreduce":
+        logs = mc.spawn(_allreduce_rank, spec.workers, transport=transport, timeout=timeout,
+                        args=(dataset, config, spec.algorithm, bucket_cap, show_progress,
+                              spec.label))
+    else:
+        logs = mc.spawn(_ps_rank, spec.servers + spec.workers, transport=transport,
+                        timeout=timeout,
+                        args=(dataset, config, spec.servers, spec.staleness, chunk_bytes,
+                              show_progress, spec.label))
+    return [log for log in logs if log is not None]
+
+
+def summarize(spec: RunSpec, logs: List[RankLog], dataset: Dataset,
+              config: TrainConfig) -> Dict[str, object]:
+    """One run's record: the JSON keys, plus curves (keys starting with '_') for the plots."""
+    model = config.model(dataset)
+    final = next(log.params for log in logs if log.params is not None)
+    final_loss, accuracy = evaluate(model, final, dataset)
+    wall = max(log.wall_s for log in logs)
+    sent = max(log.bytes_sent_per_step for log in logs)
+    received = max(log.bytes_received_per_step for log in logs)
+    model_bytes = sum(p.nbytes for p in final.values())
+    if spec.mode.startswith("ps-"):
+        # the busiest server receives its share from every worker and sends it back to each
+        shares = logs[0].info.get("server_bytes") or [model_bytes / spec.servers]
+        server_bytes = 2.0 * spec.workers * max(shares)
+        worker_bytes = sent + received
+        busiest = ("server", server_bytes) if server_bytes >= worker_bytes else \
+            ("worker", worker_bytes)
+    elif spec.mode == "allreduce":
+        busiest = ("worker", max(log.bytes_sent_per_step + log.bytes_received_per_step
+                                 for log in logs))
+    else:
+        busiest = ("none", 0.0)
+    steps = config.steps
+    # per-step loss averaged over workers (equal shards: the global batch's mean loss)
+    curve = [sum(log.losses[s] for log in logs) / len(logs) for s in range(steps)]
+    times = [max(log.step_times[s] for log in logs) for s in range(steps)]
+    record = {
+        "mode": spec.mode, "algorithm": spec.algorithm, "workers": spec.workers,
+        "servers": spec.servers, "staleness": spec.staleness,
+        "final_loss": final_loss, "test_accuracy": accuracy, "wall_s": wall,
+        "samples_per_s": steps * config.global_batch / wall if wall > 0 else float("inf"),
+        "bytes_per_step_per_worker": sent,
+        "bytes_received_per_step_per_worker": received,
+        "busiest_endpoint": busiest[0], "busiest_endpoint_bytes_per_step": busiest[1],
+        "model_bytes": model_bytes,
+        "_losses": curve, "_times": times,
+    }
+    if spec.mode == "allreduce":
+        record["bucket_algorithms"] = logs[0].info.get("bucket_algorithms")
+        record["message_rounds_per_step"] = logs[0].info.get("message_rounds_per_step")
+    return record
+
+
+# ------------------------------------------------------------------------------ report
+def _human_bytes(n: float) -> str:
+    for unit, scale in (("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _algorithm_cell(r: Dict[str, object]) -> str:
+    if r["algorithm"] is None:
+        return "-"
+    if r["algorithm"] == "auto" and r.get("bucket_algorithms"):
+        picked = sorted(set(r["bucket_algorithms"]))
+        return "auto(" + "+".join(picked) + ")"
+    return str(r["algorithm"])
+
+
+def format_table(results: List[Dict[str, object]]) -> str:
+    head = ("mode", "algorithm", "workers", "servers", "final loss", "test acc", "wall s",
+            "samples/s", "sent/step/worker", "recv/step/worker")
+    rows = []
+    for r in results:
+        rows.append((
+            r["mode"] if r["mode"] != "ps-ssp" else f"ps-ssp(k={r['staleness']})",
+            _algorithm_cell(r), str(r["workers"]), str(r["servers"]),
+            f"{r['final_loss']:.4f}", f"{r['test_accuracy']:.3f}", f"{r['wall_s']:.2f}",
+            f"{r['samples_per_s']:,.0f}",
+            _human_bytes(r["bytes_per_step_per_worker"]),
+            _human_bytes(r["bytes_received_per_step_per_worker"])))
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.rjust(w) if i >= 2 else c.ljust(w)
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    out = [line(head), line(["-" * w for w in widths])]
+    out.extend(line(row) for row in rows)
+    return "\n".join(out)
+
+
+def comparison(results: List[Dict[str, object]]) -> List[str]:
+    """Two or three measured sentences: which architecture was faster here, and why, in terms of
+    the bytes through the busiest endpoint (a server's link vs a worker's)."""
+    ar = [r for r in results if r["mode"] == "allreduce"]
+    ps = [r for r in results if r["mode"].startswith("ps-")]
+    if not ar or not ps:
+        missing = "the PS modes need minicomm.ps" if ar else "no allreduce run"
+        return [f"No architecture comparison: {missing}."]
+    best_ar = max(ar, key=lambda r: r["samples_per_s"])
+    best_ps = max(ps, key=lambda r: r["samples_per_s"])
+    sync_ps = next((r for r in ps if r["mode"] == "ps-sync"), best_ps)
+    w, s = sync_ps["workers"], sync_ps["servers"]
+    ar_fast = best_ar["samples_per_s"] >= best_ps["samples_per_s"]
+    fast, slow = (best_ar, best_ps) if ar_fast else (best_ps, best_ar)
+    ratio = fast["samples_per_s"] / max(slow["samples_per_s"], 1e-12)
+    verdict = ("allreduce" if ar_fast else "the parameter server") + " was faster here"
+    if ratio < 1.10:
+        verdict = "neither architecture was clearly faster here (within 10 %)"
+    lines = [f"Measured: {verdict}: {_label(best_ar)} {best_ar['samples_per_s']:,.0f} samples/s "
+             f"vs {_label(best_ps)} {best_ps['samples_per_s']:,.0f} samples/s ({ratio:.2f}x)."]
+    ar_bytes = best_ar["busiest_endpoint_bytes_per_step"]
+    ps_bytes = sync_ps["busiest_endpoint_bytes_per_step"]
+    bytes_ratio = ps_bytes / max(ar_bytes, 1.0)          # > 1: the PS endpoint carries more
+    # how much slower the PS was than allreduce (< 1: faster)
+    time_ratio = best_ar["samples_per_s"] / max(best_ps["samples_per_s"], 1e-12)
+    rounds = best_ar.get("message_rounds_per_step")
+    latency = (f"a step of this {_human_bytes(best_ar['model_bytes'])} model is latency-bound: "
+               f"a PS step is a push and a pull round trip to each of {s} servers, through "
+               f"{w + s} processes on {os.cpu_count() or '?'} cores, an allreduce step "
+               + (f"{rounds} schedule steps" if rounds else "a few schedule steps")
+               + f" between {best_ar['workers']} processes")
+    if ratio < 1.10:
+        why = "the bytes " + ("are about equal" if 0.9 <= bytes_ratio <= 1.1 else
+                              f"differ {max(bytes_ratio, 1 / bytes_ratio):.1f}x") + \
+              ", and here neither endpoint limited the step"
+    elif time_ratio > 1 and bytes_ratio >= 0.7 * time_ratio:
+        why = f"the server link is the bottleneck: {bytes_ratio:.1f}x the bytes, {ratio:.1f}x slower"
+    elif time_ratio < 1 and bytes_ratio <= 1.4 * time_ratio:
+        why = f"the workers' links are the bottleneck: {1 / bytes_ratio:.1f}x the bytes of a server's"
+    else:
+        why = (f"the bytes differ only {max(bytes_ratio, 1 / bytes_ratio):.1f}x, so most of the "
+               f"{ratio:.1f}x is per-message cost: {latency}")
+    lines.append(f"Bytes through the busiest endpoint per step (sent+received): allreduce "
+                 f"{_human_bytes(ar_bytes)} per worker link, PS {_human_bytes(ps_bytes)} per "
+                 f"{sync_ps['busiest_endpoint']} link ({w} workers, {s} servers): {why}.")
+    model = best_ar["model_bytes"]
+    lines.append(f"In general a ring worker carries 2(W-1)/W x model each way per step "
+                 f"({_human_bytes(2 * (w - 1) / w * model)} here), a PS server W/S x model "
+                 f"({_human_bytes(w / s * model)}): a PS needs about S >= W/2 servers to keep "
+                 f"up, and its async modes trade the barrier for stale gradients.")
+    return lines
+
+
+def _label(r: Dict[str, object]) -> str:
+    return _algorithm_cell(r) if r["mode"] == "allreduce" else str(r["mode"])
+
+
+def write_plots(results: List[Dict[str, object]], out_dir: str) -> List[str]:
+    """loss_vs_step.png, loss_vs_time.png, throughput.png in ``out_dir``; [] without
+    matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    os.makedirs(out_dir, exist_ok=True)
+    labels = [_plot_label(r) for r in results]
+    paths = []
+    for name, xkey, xlabel in (("loss_vs_step.png", None, "step"),
+                               ("loss_vs_time.png", "_times", "wall time (s)")):
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for r, label in zip(results, labels):
+            ys = _moving_average(r["_losses"], SMOOTHING)
+            xs = list(range(1, len(ys) + 1)) if xkey is None else r[xkey]
+            style = _LINE_STYLES.get(r["mode"], {})
+            ax.plot(xs, ys, label=label, **style)
+        ax.set_yscale("log")
+        if xkey is not None:
+            ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(f"batch loss ({SMOOTHING}-step moving average)")
+        ax.set_title(f"minicomm demo: loss vs {xlabel.split(' (')[0]}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(out_dir, name)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    values = [r["samples_per_s"] for r in results]
+    colors = ["tab:gray" if r["mode"] == "single" else "tab:blue" if r["mode"] == "allreduce"
+              else "tab:orange" for r in results]
+    bars = ax.bar(range(len(values)), values, color=colors)
+    ax.set_yscale("log")
+    for bar, v in zip(bars, values):
+        ax.annotate(f"{v:,.0f}", (bar.get_x() + bar.get_width() / 2, v), ha="center",
+                    va="bottom", fontsize=7)
+    ax.set_xticks(range(len(values)))
+    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("samples / s (log)")
+    ax.set_title("minicomm demo: training throughput per mode")
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "throughput.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
+    return paths
+
+
+SMOOTHING = 10
+# Synchronous modes follow one trajectory: dashed and dotted lines let the overlap show.
+_LINE_STYLES = {
+    "single": dict(color="black", linewidth=2.4, alpha=0.5),
+    "allreduce": dict(linestyle="--", linewidth=1.2),
+    "ps-sync": dict(linestyle=":", linewidth=1.8),
+    "ps-async": dict(linewidth=1.2),
+    "ps-ssp": dict(linewidth=1.2),
+}
+
+
+def _moving_average(values: Sequence[float], window: int) -> List[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _plot_label(r: Dict[str, object]) -> str:
+    if r["mode"] == "single":
+        return "single"
+    if r["mode"] == "allreduce":
+        return f"allreduce {_algorithm_cell(r)} ({r['workers']}w)"
+    return f"{r['mode']} ({r['workers']}w/{r['servers']}s)"
+
+
+# ------------------------------------------------------------------------------ CLI
+def add_arguments(p: argparse.ArgumentParser, modes: bool = True) -> None:
+    """The demo's options (``modes=False``: all but ``--modes``, for scripts making one run)."""
+    d = TrainConfig()
+    p.add_argument("--steps", type=int, default=d.steps, help=f"SGD steps per run ({d.steps})")
+    p.add_argument("--workers", type=int, default=2, help="training processes per distributed "
+                   "run (2)")
+    p.add_argument("--servers", type=int, default=2, help="parameter-server processes (2)")
+    p.add_argument("--transport", default="auto", choices=TRANSPORTS,
+                   help="how ranks talk (inproc: threads of this process)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the "
+                   "table (no progress bars unless stderr is a terminal)")
+    p.add_argument("--out", default="minicomm-demo", help="plot directory (./minicomm-demo)")
+    p.add_argument("--no-plots", action="store_true", help="write no plots")
+    if modes:
+        p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                       help=f"comma list from {','.join(ALL_MODES)} (default: %(default)s)")
+    p.add_argument("--staleness", type=int, default=2, help="bound k of ps-ssp (2)")
+    p.add_argument("--batch", type=int, default=d.global_batch,
+                   help=f"global batch, split across workers ({d.global_batch})")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"SGD learning rate ({d.lr})")
+    p.add_argument("--hidden", default=",".join(map(str, d.hidden)),
+                   help="hidden layer widths, comma separated (64)")
+    p.add_argument("--chunk-bytes", type=int, default=DEMO_CHUNK_BYTES,
+                   help="PS: arrays above this are split across servers (%(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--dataset", default="auto", choices=DATASETS,
+                   help="digits (needs scikit-learn), synthetic, or auto (digits if available)")
+
+
+def config_from_args(a) -> TrainConfig:
+    try:
+        hidden = tuple(int(h) for h in str(a.hidden).split(",") if h.strip())
+    except ValueError:
+        raise ValueError(f"--hidden {a.hidden!r}: give comma-separated integers") from None
+    return TrainConfig(hidden=hidden, steps=a.steps, global_batch=a.batch, lr=a.lr, seed=a.seed)
+
+
+def run_demo(a, log=sys.stderr) -> Dict[str, object]:
+    """Everything ``minicomm demo`` does except printing; returns the JSON document."""
+    config = config_from_args(a)
+    if a.workers < 1 or a.servers < 1:
+        raise ValueError("--workers and --servers must be >= 1")
+    if config.global_batch % a.workers:
+        raise ValueError(f"--batch {config.global_batch} must be a multiple of --workers "
+                         f"{a.workers} (every worker takes an equal shard)")
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    specs = plan_runs(modes, a.workers, a.servers, a.staleness)
+    skipped = []
+    if any(s.mode.startswith("ps-") for s in specs) and not ps_available():
+        skipped = [s.mode for s in specs if s.mode.startswith("ps-")]
+        specs = [s for s in specs if not s.mode.startswith("ps-")]
+        print(f"minicomm demo: minicomm.ps is not importable here; skipping {', '.join(skipped)}",
+              file=log)
+    dataset = load_dataset(a.dataset, seed=config.seed)
+    show = (not a.json) or sys.stderr.isatty()
+    if not a.json:                        # stdout: the output says which data was used
+        print(f"minicomm demo: {dataset.name} dataset ({len(dataset.y_train)} train / "
+              f"{len(dataset.y_test)} test samples, {dataset.num_features} features, "
+              f"{dataset.num_classes} classes); MLP {config.model(dataset).sizes}; "
+              f"{config.steps} steps of a {config.global_batch}-sample global batch, "
+              f"lr {config.lr}; transport {a.transport}", flush=True)
+    results = []
+    for spec in specs:
+        logs = execute(spec, dataset, config, a.transport, show_progress=show,
+                       chunk_bytes=a.chunk_bytes)
+        results.append(summarize(spec, logs, dataset, config))
+    return {"dataset": dataset.name, "steps": config.steps, "runs": results, "skipped": skipped}
+
+
+def public_json(doc: Dict[str, object]) -> Dict[str, object]:
+    """The document without the plot curves (keys starting with '_'); a non-finite number (a
+    diverged loss) becomes null, so the output is strict JSON."""
+    runs = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+             for k, v in r.items() if not k.startswith("_")} for r in doc["runs"]]
+    return {**doc, "runs": runs}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="minicomm demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return main_from_args(p.parse_args(argv))
+
+
+def main_from_args(a) -> int:
+    start = time.perf_counter()
+    try:
+        doc = run_demo(a)
+    except ValueError as e:
+        print(f"minicomm demo: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(public_json(doc), allow_nan=False))
+        return 0
+    results = doc["runs"]
+    print()
+    print(format_table(results))
+    print()
+    for line in comparison(results):
+        print(line)
+    if doc["skipped"]:
+        print(f"(skipped: {', '.join(doc['skipped'])} — minicomm.ps is not importable)")
+    if not a.no_plots:
+        paths = write_plots(results, a.out)
+        if paths:
+            print(f"plots: {', '.join(paths)}")
+        else:
+            print("plots: none (install matplotlib: pip install 'minicomm[demo]')")
+    print(f"demo finished in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""``minicomm verify``: the verifier run over the whole algorithm matrix, in a process pool.
+
+Every (collective, family, world size 1..max_world) cell is proved with ``minicomm.verifier``
+over roots, counts and, for hier, node maps; the matrix is printed. Lives with the tools: it
+starts processes (``ProcessPoolExecutor``, ``--jobs`` of them, default one per core), which
+nothing below the launcher does.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+from ..algorithms import FAMILIES, build_schedule
+from ..schedule import COLLECTIVES, ROOTED
+from ..verifier import verify
+
+EXHAUSTIVE_UP_TO = 16    # world sizes verified with every root, count and node map
+
+
+def topologies_for(p: int, exhaustive: bool = False):
+    """Node maps hier is verified on: one node, two equal nodes, uneven nodes (p-1 and 1, and
+    2,2,rest), one rank per node; above EXHAUSTIVE_UP_TO the two equal and the 2,2,rest maps."""
+    two = tuple(r * 2 // p for r in range(p))
+    uneven = tuple(min(r // 2, 2) for r in range(p))
+    if p > EXHAUSTIVE_UP_TO and not exhaustive:
+        return sorted({two, uneven})
+    maps = {(0,) * p, two, uneven, tuple(range(p))}
+    if p >= 3:
+        maps.add(tuple(0 if r < p - 1 else 1 for r in range(p)))
+    return sorted(maps)
+
+
+def roots_for(p: int, exhaustive: bool = False):
+    if exhaustive or p <= EXHAUSTIVE_UP_TO:
+        return range(p)
+    return sorted({0, p // 2, p - 1})
+
+
+def counts_for(p: int, exhaustive: bool = False):
+    """0, 1, a count below p, and one above p not divisible by it (p + 1)."""
+    if exhaustive or p <= EXHAUSTIVE_UP_TO:
+        return sorted({0, 1, 5, p + 1})
+    return [1, p + 1]
+
+
+def verify_cell(args):
+    """Verify one (collective, family, world size) over roots, counts and node maps.
+    Returns (collective, family, p, cases, error or None)."""
+    coll, fam, p, all_roots = args
+    cases = 0
+    roots = roots_for(p, all_roots) if coll in ROOTED else [0]
+    topos = topologies_for(p, all_roots) if fam == "hier" else [None]
+    counts = [0] if coll == "barrier" else counts_for(p, all_roots)
+    try:
+        for topo in topos:
+            for n in counts:
+                for root in roots:
+                    scheds = [build_schedule(coll, fam, r, p, n, root, topo) for r in range(p)]
+                    verify(scheds)
+                    cases += 1
+        build_schedule.cache_clear()
+        return coll, fam, p, cases, None
+    except Exception as e:   # reported in the matrix, with the failing case
+        build_schedule.cache_clear()
+        return coll, fam, p, cases, f"p={p} topology={topo} count={n} root={root}: {type(e).__name__}: {e}"
+
+
+def run_matrix(max_world: int = 64, all_roots: bool = False, jobs: int = 0, out=None,
+               collectives=None, families=None) -> bool:
+    """Verify every cell of the algorithm matrix; print it; True if every cell passes."""
+    out = out or sys.stdout
+    colls = list(collectives or COLLECTIVES)
+    fams = list(families or FAMILIES)
+    # Largest world sizes first so the pool's tail is short.
+    tasks = [(c, f, p, all_roots) for p in range(max_world, 0, -1) for c in colls for f in fams]
+    jobs = jobs or os.cpu_count() or 1
+    t0 = time.monotonic()
+    cells = {(c, f): [0, 0, None] for c in colls for f in fams}   # sizes passed, cases, first error
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs) as pool:
+            results = list(pool.map(verify_cell, tasks, chunksize=4))
+    else:
+        results = [verify_cell(t) for t in tasks]
+    for c, f, p, cases, err in results:
+        cell = cells[(c, f)]
+        cell[1] += cases
+        if err is None:
+            cell[0] += 1
+        elif cell[2] is None:
+            cell[2] = err
+    width = 16
+    if all_roots:
+        scope = "every root, counts {0, 1, 5, p+1}, hier on 5 node maps, at every size"
+    else:
+        scope = (f"up to p={EXHAUSTIVE_UP_TO}: every root, counts {{0, 1, 5, p+1}}, hier on 1 node, "
+                 f"2 equal, uneven (p-1,1 and 2,2,rest) and 1 rank per node; above: roots "
+                 f"{{0, p/2, p-1}}, counts {{1, p+1}}, 2 node maps (--exhaustive for all)")
+    print(f"minicomm verify: world sizes 1..{max_world}; {scope}", file=out)
+    print("collective".ljust(16) + "".join(f.ljust(width) for f in fams), file=out)
+    ok_cells = 0
+    for c in colls:
+        row = c.ljust(16)
+        for f in fams:
+            passed, cases, err = cells[(c, f)]
+            good = passed == max_world
+            ok_cells += good
+            row += (f"{'ok' if good else 'FAIL'} {cases}".ljust(width))
+        print(row, file=out)
+    total = len(colls) * len(fams)
+    print(f"{ok_cells}/{total} cells pass ({sum(v[1] for v in cells.values())} schedule sets "
+          f"verified in {time.monotonic() - t0:.1f} s)", file=out)
+    for (c, f), (_, _, err) in cells.items():
+        if err:
+            print(f"FAIL {c}/{f}: {err}", file=out)
+    return ok_cells == total
