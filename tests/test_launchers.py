@@ -208,6 +208,25 @@ def test_every_collective_and_leftover_variables_lose(engine, request):
     assert "RANK=7 ignored" in err
 
 
+def test_mpiexec_with_mpi4py_initialized_first(tmp_path):
+    """MPI owns the PMI connection once MPI_Init ran: mc.init() then bootstraps over
+    MPI_COMM_WORLD, and both libraries work side by side in every rank."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        require("mpi4py is not installed (pip install -e '.[peers]')")
+    script = tmp_path / "both.py"
+    script.write_text(
+        "from mpi4py import MPI\nimport numpy as np\nimport minicomm as mc\n"
+        "comm = mc.init()\n"
+        "y = comm.allreduce(np.full(2, comm.rank + 1.0))\n"
+        "print(f'BOTH {comm.rank} {y[0]:g} {MPI.COMM_WORLD.allreduce(comm.rank + 1)}', flush=True)\n"
+        "comm.close()\n")
+    rc, out, err = run([mpich_mpiexec(), "-n", "3", sys.executable, str(script)], clean_env())
+    assert rc == 0, f"{out}\n{err}"
+    assert sorted(re.findall(r"BOTH (\d) 6 6", out)) == ["0", "1", "2"], out
+
+
 def test_every_collective_under_torchrun():
     rc, out, err = run(command("torchrun", 4, [CHECK]), clean_env())
     assert rc == 0, f"{out}\n{err}"

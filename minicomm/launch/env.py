@@ -30,6 +30,11 @@ generic             RANK / WORLD_SIZE             MASTER_ADDR (default 127.0.0.1
                                                   identity only MINICOMM_JOB_ID; derived token
 ==================  ============================  ===========================================
 
+Under mpiexec a process that already initialized MPI (``from mpi4py import MPI`` before
+``mc.init()``) bootstraps by a broadcast on MPI_COMM_WORLD instead: hydra serves one PMI client
+per process, and that is MPI. The other order (``mc.init()``, then MPI_Init) is refused by hydra
+(``PMI_Init returned -1``): import mpi4py first.
+
 A world of one rank listens on a free loopback port whatever the launcher said. The Slurm batch
 script itself (no job step) is not a rank of ``SLURM_NTASKS``: with more than one task it fails
 at once, telling the user to start the ranks with ``srun``.
@@ -54,10 +59,13 @@ its machine (default: the node). Starts no process.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
+import secrets
 import socket
 import sys
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple
@@ -587,6 +595,59 @@ def _bootstrap_pmi(launch: Launch, timeout: float) -> StoreServer:
     return server
 
 
+def _mpi_in_use():
+    """mpi4py's MPI module when this process already initialized MPI (then PMI belongs to MPI:
+    hydra refuses a second PMI client on PMI_FD), else None. Never imports mpi4py itself."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    try:
+        return mpi if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() \
+            else None
+    except Exception:
+        return None
+
+
+def _bootstrap_mpi(launch: Launch, mpi, timeout: float) -> Optional[StoreServer]:
+    """Under mpiexec in a process that already called MPI_Init: rank 0's store address, a random
+    token and a random job identity go to every rank by a broadcast on MPI_COMM_WORLD
+    (non-blocking, polled until the setup deadline: a rank that never calls mc.init cannot hang
+    the others)."""
+    import numpy as np
+    world = mpi.COMM_WORLD
+    if (world.Get_rank(), world.Get_size()) != (launch.rank, launch.size):
+        raise BootstrapError(f"mc.init(): MPI_COMM_WORLD is rank {world.Get_rank()} of "
+                             f"{world.Get_size()}, the environment says {launch.rank} of "
+                             f"{launch.size}")
+    buf = np.zeros(1024, dtype=np.uint8)
+    server = None
+    if launch.rank == 0:
+        token = launch.token or new_token()
+        launch.identity = f"mpi:{secrets.token_hex(8)}" + (
+            f"/{launch.identity}" if launch.identity else "")
+        server = StoreServer(launch.bind, 0, token, job=(launch.identity, launch.size))
+        addr = "127.0.0.1" if launch.bind == "127.0.0.1" else (
+            launch.env.get("MINICOMM_MASTER_ADDR") or _my_address())
+        msg = json.dumps([addr, server.port, socket.gethostname(), token.hex(),
+                          launch.identity]).encode()
+        buf[:len(msg)] = np.frombuffer(msg, dtype=np.uint8)
+    req = world.Ibcast(buf, root=0)
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while not req.Test():     # MPI offers no wait with a timeout: poll, backing off to 50 ms
+        if time.monotonic() > deadline:
+            if server is not None:
+                server.close()
+            raise CommTimeout(f"not every MPI rank reached mc.init() within {timeout:g}s (the "
+                              f"setup timeout, MINICOMM_SETUP_TIMEOUT)")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    addr, port, host, token_hex, identity = json.loads(bytes(buf).rstrip(b"\0").decode())
+    launch.identity, launch.identity_from = identity, "rank 0 (MPI_COMM_WORLD broadcast)"
+    launch.addr = "127.0.0.1" if host == socket.gethostname() else addr
+    launch.port, launch.token = int(port), launch.token or bytes.fromhex(token_hex)
+    launch.addr_from = launch.port_from = "rank 0, broadcast on MPI_COMM_WORLD"
+    return server
+
+
 def _bootstrap_torch(launch: Launch, timeout: float) -> Optional[StoreServer]:
     """Rank 0 listens on a free port and publishes it with a random token in torchrun's agent
     store (a TCPStore client of MASTER_ADDR:MASTER_PORT); the others read it there."""
@@ -664,7 +725,8 @@ def init(transport: Optional[str] = None, timeout: Optional[float] = None,
     server = None
     try:
         if launch.bootstrap == "pmi":
-            server = _bootstrap_pmi(launch, setup)
+            mpi = _mpi_in_use()
+            server = _bootstrap_mpi(launch, mpi, setup) if mpi else _bootstrap_pmi(launch, setup)
         elif launch.bootstrap == "torch":
             server = _bootstrap_torch(launch, setup)
         if launch.host_store and server is None and launch.port == 0:
