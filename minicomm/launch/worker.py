@@ -28,6 +28,11 @@ def _watch_parent(stream) -> None:
     """The parent holds our stdin open for the whole job: EOF means it died. Leave at once."""
     while stream.read(4096):
         pass
+    try:                      # os._exit skips atexit: unlink our segments ourselves
+        from minicomm.transports import shm
+        shm._unlink_at_exit()
+    except Exception:
+        pass
     os._exit(70)
 
 

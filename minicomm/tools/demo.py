@@ -160,7 +160,7 @@ def execute(spec: RunSpec, dataset: Dataset, config: TrainConfig, transport: str
             chunk_bytes: int = DEMO_CHUNK_BYTES, timeout: float = SPAWN_TIMEOUT
             ) -> List[RankLog]:
     """Run one spec; the training ranks' logs (servers dropped), first worker first."""
-    import minicomm as mc
+    from ..launch import spawn
     if spec.mode == "single":
         bar = Progress(spec.label, config.steps, show_progress)
         try:
@@ -168,11 +168,11 @@ def execute(spec: RunSpec, dataset: Dataset, config: TrainConfig, transport: str
         finally:
             bar.close()
     if spec.mode == "allreduce":
-        logs = mc.spawn(_allreduce_rank, spec.workers, transport=transport, timeout=timeout,
+        logs = spawn(_allreduce_rank, spec.workers, transport=transport, timeout=timeout,
                         args=(dataset, config, spec.algorithm, bucket_cap, show_progress,
                               spec.label))
     else:
-        logs = mc.spawn(_ps_rank, spec.servers + spec.workers, transport=transport,
+        logs = spawn(_ps_rank, spec.servers + spec.workers, transport=transport,
                         timeout=timeout,
                         args=(dataset, config, spec.servers, spec.staleness, chunk_bytes,
                               show_progress, spec.label))

@@ -170,7 +170,7 @@ def run(nbytes: int = 16 << 20, servers: int = 2, workers: int = 2, transport: s
 
 
 def main_from_cli(a) -> int:
-    from .bench import BenchError, parse_size
+    from .benchspec import BenchError, parse_size
     try:
         nbytes = parse_size(a.sizes) if a.sizes else 16 << 20
     except ValueError as e:
