@@ -719,8 +719,9 @@ def init(transport: Optional[str] = None, timeout: Optional[float] = None,
     rendezvous (default ``MINICOMM_SETUP_TIMEOUT``, else 30 s under foreign launchers)."""
     env = dict(os.environ)
     launch = detect(env)
-    for note in launch.notes:
-        print(f"minicomm: {note}", file=sys.stderr)
+    if launch.rank == 0:          # once per job, not once per rank
+        for note in launch.notes:
+            print(f"minicomm: {note}", file=sys.stderr)
     setup = setup_timeout_for(launch, timeout, setup_timeout, env)
     server = None
     try:
