@@ -158,8 +158,6 @@ def run(cmd, env, timeout=RUN_TIMEOUT):
     return finish(start(cmd, env), timeout)
 
 
-ENGINES = ["mpiexec", "mpirun", "srun", "torchrun"]
-
 # Launchers interleave their ranks' output (a line's text and its newline are separate writes),
 # so results are found by pattern in the whole output, not line by line.
 
@@ -184,7 +182,8 @@ def engine_env(engine, request, **extra):
 
 
 # ------------------------------------------------------------------- hello and every collective
-@pytest.mark.parametrize("engine", ENGINES + ["srun-pmi2"])
+# torchrun's hello runs in test_torchrun_c10d_with_two_agents (and --standalone in .ci/run)
+@pytest.mark.parametrize("engine", ["mpiexec", "mpirun", "srun", "srun-pmi2"])
 def test_hello_with_nothing_set_by_hand(engine, request):
     env = engine_env(engine, request)
     rc, out, err = run(command(engine, 4, [HELLO]), env)
