@@ -1,4 +1,4 @@
-"""The ``minicomm`` command: verify | run | bench | demo (later: sim)."""
+"""The ``minicomm`` command: verify | run | bench | demo | sim."""
 from __future__ import annotations
 
 import argparse
@@ -54,6 +54,11 @@ def _cmd_demo(a) -> int:
     return main_from_args(a)
 
 
+def _cmd_sim(a) -> int:
+    from .sim.cli import main
+    return main(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minicomm", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -70,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="launch a script on N ranks (this box, or hosts over ssh)")
     r.add_argument("-n", type=int, help="number of ranks (with --hosts: cap on the total)")
     r.add_argument("--nodes", type=int, default=1, help="emulated nodes on this box")
-    r.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"])
+    r.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "rdma", "ub"])
     r.add_argument("--timeout", type=float, default=None, help="per-wait timeout (s)")
     r.add_argument("--servers", type=int, default=None,
                    help="parameter servers: ranks 0..K-1 serve in ps.start(comm), the rest are "
@@ -96,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(d)
     d.set_defaults(func=_cmd_demo)
+
+    from .sim import cli as sim_cli
+    s = sub.add_parser("sim", help="predict collectives and the parameter server on a modelled "
+                       "cluster", description=sim_cli.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim_cli.add_arguments(s)
+    s.set_defaults(func=_cmd_sim)
     return p
 
 

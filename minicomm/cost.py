@@ -1,6 +1,7 @@
 """The cost model ``algorithm="auto"`` consults: pure functions of schedules and link parameters.
 
-It imports nothing above ``minicomm.algorithms`` and ``minicomm.schedule`` and starts nothing.
+It imports nothing above the simulator engine (``minicomm.sim``), ``minicomm.algorithms`` and
+``minicomm.schedule`` and starts nothing.
 Measuring links and timing algorithms (which starts ranks) is ``minicomm.tuning``, above the
 communicator and the launcher: it fills in a ``LinkModel`` (and its tuned table) that this module
 only reads.
@@ -19,8 +20,10 @@ How auto picks a family for (collective, world size p, message bytes, topology):
    are costed as they run). p > ``SIM_MAX_RANKS`` uses the closed-form costs ``flat_cost`` /
    ``hier_cost`` (Thakur, Rabenseifner, Gropp 2005) instead.
 
-The simulator (``schedule_time`` / ``simulate``). Each rank is a process that works on a CPU or
-waits, and runs its steps as the executor does: local ops (Copy δ, Reduce γ per byte) and posting
+The simulator (``schedule_time`` / ``simulate``) is the simulator engine's (minicomm.sim.engine,
+the same engine ``minicomm sim`` runs clusters on): the schedules are compiled by it and run on
+its host machine (``run_host``; ``host_model`` maps a LinkModel onto it). Each rank is a process
+that works on a CPU or waits, and runs its steps as the executor does: local ops (Copy δ, Reduce γ per byte) and posting
 its receives (o each); its sends, eager (shm rings and socket buffers take them): o plus the
 copy-in, β/2 per byte, the message visible to its receiver ``lat`` = α - 3o after its first piece
 (shm: 1 MiB records; so small messages are store-and-forward, large ones pipelined); then its
@@ -51,10 +54,11 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
-from .algorithms import FAMILIES, family
-from .schedule import Copy, Recv, Reduce, Send
+from .algorithms import FAMILIES
+from .sim import engine
+from .sim.engine import HostLink, HostModel
 
 # Defaults for MINICOMM_TUNE=0 (and before agreement): α = cost of one communicating step (s),
 # bytes/s, o = CPU per message operation (s).
@@ -171,226 +175,42 @@ def model_costs(collective: str, p: int, nbytes: int, topology: Tuple[int, ...],
 
 
 # ---------------------------------------------------------------------------------- simulator
+def host_model(m: LinkModel) -> HostModel:
+    """The simulator engine's machine for a LinkModel: ranks are processes on their node's cores
+    (minicomm.sim.engine.run_host), with this model's α, β, o per link class, γ, δ, wake,
+    contention, cores and spin."""
+    hm = _host_models.get(m)
+    if hm is None:
+        hm = HostModel(
+            HostLink(m.alpha_intra, m.beta_intra, m.overhead_intra,
+                     PIPELINE_CHUNK.get(m.intra, STREAM_CHUNK)),
+            HostLink(m.alpha_inter, m.beta_inter, m.overhead_inter,
+                     PIPELINE_CHUNK.get(m.inter, STREAM_CHUNK)),
+            gamma=m.gamma, delta=m.delta, wake=m.wake, contention=m.contention, cores=m.cores,
+            spin=m.spin, sharing_loss=SHARING_LOSS)
+        if len(_host_models) > 64:
+            _host_models.clear()
+        _host_models[m] = hm
+    return hm
+
+
+_host_models: Dict[LinkModel, HostModel] = {}
+
+
 def schedule_time(collective: str, fam: str, p: int, count: int, topology: Tuple[int, ...],
                   m: LinkModel, itemsize: int = ITEMSIZE) -> float:
-    """Predicted seconds of one call: the schedules of all p ranks run on the model (module doc)."""
-    build = family(fam).build     # uncached: the model must not evict the executor's schedules
-    scheds = [build(collective, r, p, count, 0, topology).steps for r in range(p)]
-    return simulate(scheds, topology, m, itemsize)
-
-
-class _Link:
-    """One link class as the simulator uses it."""
-    __slots__ = ("lat", "bs", "br", "chunk", "o")
-
-    def __init__(self, alpha: float, beta: float, o: float, kind: str):
-        self.o = o
-        self.lat = max(0.0, alpha - 3 * o)       # α is a whole exchange step: 3 ops + latency
-        self.bs = self.br = beta / 2             # the sender copies in, the receiver copies out
-        self.chunk = PIPELINE_CHUNK.get(kind, STREAM_CHUNK)
-
-
-class _Msg:
-    """A message in flight: when its first piece and its last are visible to the receiver."""
-    __slots__ = ("first", "last", "nbytes", "link")
-
-    def __init__(self, nbytes: int, link: _Link):
-        self.first = self.last = math.inf
-        self.nbytes, self.link = nbytes, link
+    """Predicted seconds of one call: the schedules of all p ranks, compiled by the simulator
+    engine (its own cache: the executor's schedules are not evicted), run on ``host_model(m)``."""
+    prog = engine.program_for(collective, fam, p, count, 0, tuple(topology))
+    return engine.run_host(prog, tuple(topology), host_model(m), itemsize).time_s
 
 
 def simulate(scheds: Sequence[Sequence[Sequence[Any]]], topology: Sequence[int], m: LinkModel,
              itemsize: int = ITEMSIZE) -> float:
-    """Run the steps of every rank on the model; returns the last rank's end (seconds).
-
-    Each rank is a process: CPU work, then waits. Per step, as the executor does: local ops (Copy
-    δ, Reduce γ per byte) and posting every receive (o each); each send (o, then its copy-in, β/2
-    per byte; the message is visible ``lat`` after its first piece is in, complete ``lat`` after
-    its last); then the receives in arrival order (o plus the copy-out, β/2 per byte, or the
-    reduce, max(β/2, γ); the last piece only after the sender copied it in). A waiting rank spins
-    for the model's ``spin``, then sleeps: a message that wakes it costs ``m.wake`` more when it
-    has a core to itself. A node's ranks share its ``m.cores`` cores (fluid processor sharing:
-    working and spinning ranks each get cores / runnable of a core, at most one), and work on a
-    shared core is ``SHARING_LOSS`` less efficient (switches, cold caches)."""
-    p = len(scheds)
-    g, d = m.gamma, m.delta
-    intra = _Link(m.alpha_intra, m.beta_intra, m.overhead_intra, m.intra)
-    inter = _Link(m.alpha_inter, m.beta_inter, m.overhead_inter, m.inter)
-    nodes: Dict[Any, int] = {}
-    for t in topology:
-        nodes[t] = nodes.get(t, 0) + 1
-    cores = {n: (min(m.cores, k) if m.cores else k) for n, k in nodes.items()}
-    shared = {n: cores[n] < k for n, k in nodes.items()}
-
-    def link(a: int, b: int) -> _Link:
-        return intra if topology[a] == topology[b] else inter
-
-    sent: Dict[Tuple[int, int], List[_Msg]] = {}
-    taken: Dict[Tuple[int, int], int] = {}
-    step = [-1] * p
-    # per rank: ("cpu", seconds, stamp when done) or ("last", message to wait for, None)
-    todo: List[List[Tuple[str, Any, Any]]] = [[] for _ in range(p)]
-    recvs: List[List[Tuple[Recv, int, int]]] = [[] for _ in range(p)]   # (op, peer, FIFO index)
-    cpu = [0.0] * p                  # CPU seconds left of the current work item
-    mark: List[Any] = [None] * p     # (field, msg) to stamp when the work item ends
-    waiting: List[Any] = [None] * p  # None, ("first", None): any receive, ("last", message)
-    wait_since = [0.0] * p
-    wake_at: List[Optional[float]] = [None] * p
-    done = [False] * p
-    end = [0.0] * p
-    now = 0.0
-
-    def msg(src: int, dst: int, k: int) -> Optional[_Msg]:
-        q = sent.get((src, dst), ())
-        return q[k] if k < len(q) else None
-
-    def begin_step(r: int) -> None:
-        step[r] += 1
-        if step[r] >= len(scheds[r]):
-            done[r], end[r] = True, now
-            return
-        ops = scheds[r][step[r]]
-        work = 0.0
-        items: List[Tuple[str, Any, Any]] = []
-        seen: Dict[int, int] = {}
-        for o in ops:
-            if isinstance(o, Copy):
-                work += o.count * itemsize * d
-            elif isinstance(o, Reduce):
-                work += o.count * itemsize * g
-            elif isinstance(o, Recv):
-                work += link(o.peer, r).o
-                k = taken.get((o.peer, r), 0) + seen.get(o.peer, 0)
-                seen[o.peer] = seen.get(o.peer, 0) + 1
-                recvs[r].append((o, o.peer, k))
-        for peer, n in seen.items():
-            taken[(peer, r)] = taken.get((peer, r), 0) + n
-        items.append(("cpu", work, None))
-        for o in ops:
-            if isinstance(o, Send):
-                ln = link(r, o.peer)
-                mg = _Msg(o.count * itemsize, ln)
-                sent.setdefault((r, o.peer), []).append(mg)
-                head = min(mg.nbytes, ln.chunk) * ln.bs
-                items.append(("cpu", ln.o + head, ("first", mg)))
-                items.append(("cpu", mg.nbytes * ln.bs - head, ("last", mg)))
-        todo[r] = items
-        advance(r)
-
-    def advance(r: int) -> None:
-        """Start the rank's next work item, or make it wait."""
-        while True:
-            if todo[r]:
-                kind, what, stamp = todo[r].pop(0)
-                if kind == "cpu":
-                    if what > 0:
-                        cpu[r], mark[r] = what, stamp
-                        return
-                    finish(stamp)
-                    continue
-                if what.last > now:          # "last": the sender's final piece is not in yet
-                    waiting[r], wait_since[r] = ("last", what), now
-                    return
-                continue
-            ready = [(mg.first, i, mg) for i, (o, peer, k) in enumerate(recvs[r])
-                     if (mg := msg(peer, r, k)) is not None and mg.first <= now]
-            if ready:
-                _, i, mg = min(ready, key=lambda x: (x[0], x[1]))
-                o = recvs[r].pop(i)[0]
-                ln = mg.link
-                per = max(ln.br, g) if o.reduce else ln.br
-                tail = min(mg.nbytes, ln.chunk) * per
-                todo[r] = [("cpu", ln.o + mg.nbytes * per - tail, None), ("last", mg, None),
-                           ("cpu", tail, None)]
-                continue
-            if recvs[r]:
-                waiting[r], wait_since[r] = ("first", None), now
-                return
-            begin_step(r)
-            return
-
-    def finish(stamp: Any) -> None:
-        if stamp is not None:
-            setattr(stamp[1], stamp[0], now + stamp[1].link.lat)
-
-    def satisfied(r: int) -> bool:
-        kind, mg = waiting[r]
-        if kind == "last":
-            return mg.last <= now
-        return any((x := msg(peer, r, k)) is not None and x.first <= now
-                   for _, peer, k in recvs[r])
-
-    def pending_times(r: int):
-        kind, mg = waiting[r]
-        if kind == "last":
-            yield mg.last
-            return
-        for _, peer, k in recvs[r]:
-            x = msg(peer, r, k)
-            if x is not None:
-                yield x.first
-
-    for r in range(p):
-        begin_step(r)
-    while not all(done):
-        moved = True
-        while moved:                     # wake every rank whose message has arrived
-            moved = False
-            for r in range(p):
-                if done[r] or waiting[r] is None or not satisfied(r):
-                    continue
-                if wake_at[r] is None and now - wait_since[r] > m.spin \
-                        and not shared[topology[r]] and m.wake > 0:
-                    wake_at[r] = now + m.wake    # it fell asleep: the kernel wakes it
-                if wake_at[r] is not None and wake_at[r] > now:
-                    continue
-                wake_at[r], waiting[r] = None, None
-                advance(r)
-                moved = True
-        if all(done):
-            break
-        busy = dict.fromkeys(nodes, 0)       # working or spinning: they hold a core
-        working = dict.fromkeys(nodes, 0)
-        for r in range(p):
-            if done[r]:
-                continue
-            if waiting[r] is None:
-                working[topology[r]] += 1
-                busy[topology[r]] += 1
-            elif wake_at[r] is None and now - wait_since[r] <= m.spin:
-                busy[topology[r]] += 1
-        rate = {}
-        for n in nodes:
-            share = min(1.0, cores[n] / busy[n]) if busy[n] else 1.0
-            rate[n] = share / (1 + SHARING_LOSS * (1 - share)) \
-                / (1 + m.contention * max(0, min(working[n], cores[n]) - 1))
-        nxt = math.inf
-        for r in range(p):
-            if done[r]:
-                continue
-            if waiting[r] is None:
-                nxt = min(nxt, now + cpu[r] / rate[topology[r]])
-                continue
-            if wake_at[r] is not None:
-                nxt = min(nxt, wake_at[r])
-                continue
-            if now - wait_since[r] <= m.spin:
-                nxt = min(nxt, wait_since[r] + m.spin * (1 + 1e-9) + 1e-12)
-            for t in pending_times(r):
-                if t > now:
-                    nxt = min(nxt, t)
-        if nxt == math.inf:
-            raise RuntimeError("schedules deadlock in the cost model (an unmatched receive)")
-        for r in range(p):
-            if not done[r] and waiting[r] is None:
-                cpu[r] -= (nxt - now) * rate[topology[r]]
-        now = nxt
-        for r in range(p):
-            if not done[r] and waiting[r] is None and cpu[r] <= 1e-15:
-                stamp, mark[r] = mark[r], None
-                finish(stamp)
-                advance(r)
-    return max(end)
+    """Run explicit per-rank step lists on the model (the engine's host machine, module doc);
+    returns the last rank's end (seconds)."""
+    prog = engine.compile_schedules(scheds)
+    return engine.run_host(prog, tuple(topology), host_model(m), itemsize).time_s
 
 
 # ---------------------------------------------------------------------------------- formulas

@@ -29,8 +29,9 @@ def _watch_parent(stream) -> None:
     while stream.read(4096):
         pass
     try:                      # os._exit skips atexit: unlink our segments ourselves
-        from minicomm.transports import shm
+        from minicomm.transports import segment, shm
         shm._unlink_at_exit()
+        segment._unlink_at_exit()         # rdma / ub arenas and shm windows
     except Exception:
         pass
     os._exit(70)

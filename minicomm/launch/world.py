@@ -75,7 +75,7 @@ def connect_world(cfg: Dict[str, Any]) -> Communicator:
     deadline = time.monotonic() + setup_timeout
     kind = cfg["transport"]
     if kind not in TRANSPORTS or kind == "inproc":
-        raise ValueError(f"transport {kind!r} cannot connect processes; choose auto, shm or tcp")
+        raise ValueError(f"transport {kind!r} cannot connect processes; choose auto, shm, tcp, rdma or ub")
     identity = str(cfg.get("identity") or cfg["job_id"])
     addr = cfg["master_addr"]
     server = cfg.get("store_server")

@@ -1,0 +1,488 @@
+"""Cluster topology model: servers of g accelerators, their intra-server fabric, NICs and a fat-tree.
+
+A ``Topology`` is pure data (frozen, hashable); ``Fabric`` turns it into directed links (capacity in
+bytes/s, latency in s) and routes messages between accelerators ("endpoints", numbered
+``server * g + local``) onto them, vectorised over arrays of (src, dst) pairs.
+
+What is modelled
+- intra-server, ``intra``:
+    "nvswitch": every accelerator has one up and one down link to a non-blocking crossbar (NVLink +
+      NVSwitch); a message crosses its sender's up link and its receiver's down link.
+    "pcie": every accelerator has a PCIe up/down link to the CPU root complex; peer-to-peer traffic
+      also crosses the root, one shared link of ``pcie_root_bandwidth`` per server (None: no limit).
+      Traffic to the NIC crosses the same PCIe links (the accelerator has no other way out).
+    "fullmesh": a direct link between every ordered pair of the server's accelerators, each with
+      ``intra_link.bandwidth / (g - 1)`` (the accelerator's bandwidth is split over its g-1 ports:
+      UB-Mesh-style). Only direct paths are used (no multi-path routing).
+  ``intra_link.bandwidth`` is always one accelerator's total per direction.
+- NICs: ``nics_per_server`` NICs; accelerator i uses NIC ``i * nics_per_server // g`` (so
+  nics_per_server == g is one NIC per accelerator, 1 is one NIC per server, shared). ``rails``:
+  rail-optimised wiring (NIC k of every server in a leaf group goes to leaf switch k of that group;
+  traffic between different rails crosses the spine), else all NICs of a server share its leaf.
+- network, ``tiers``: 1 = one non-blocking switch (contention only at NICs); 2 = leaves of
+  ``servers_per_leaf`` servers and a spine; 3 = leaves grouped into pods of ``leaves_per_pod``
+  server groups, pods joined by a core. A leaf's uplink (to the spine) is modelled as one trunk per
+  direction of capacity (NIC bandwidth under the leaf) / ``oversubscription``; a pod's uplink to the
+  core likewise with ``core_oversubscription``. Trunks assume ideal ECMP / adaptive routing (load
+  spread evenly over the parallel uplinks).
+- issue gap: a sender issues the messages it starts at once one ``gap`` apart (LogP's g: a NIC
+  or copy engine posts one message at a time), that of their first link class; they start
+  together when the last one is issued.
+- latency: a message pays the latency of its first link class (``intra_link.latency`` inside a
+  server; ``nic_link.latency`` between servers) plus ``switch_latency`` per switch it crosses in
+  the network (1, 3 or 5). That sum is the α of the message.
+- protocol: ``rendezvous`` (default) — a message moves once its receiver has posted the receive
+  (NCCL's credits, MPI's large-message protocol); False: eager, as soon as it is sent.
+- compute: ``gamma`` s per reduced byte, ``delta`` s per copied byte on an accelerator;
+  ``reduce_overlap``: a reducing receive's reduction runs while its data arrives (GPU kernels, as
+  NCCL does) instead of after it.
+
+Restrictions: every server is alike; links are full duplex (independent directions); no congestion
+control dynamics, no packet loss, no protocol switching (one per-message α and an effective
+bandwidth per link class stand in for them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+GB = 1e9          # bandwidths are in bytes/s; GB/s = 1e9 bytes/s (nccl-tests convention)
+US = 1e-6
+
+INTRA_KINDS = ("nvswitch", "pcie", "fullmesh")
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One link class. ``bandwidth`` (bytes/s per direction) is the effective rate the model uses;
+    ``line_rate`` the nominal one (informational); ``source`` where the figures come from;
+    ``illustrative`` marks figures that are assumptions rather than published measurements."""
+    name: str
+    bandwidth: float
+    latency: float
+    line_rate: float = 0.0
+    source: str = ""
+    illustrative: bool = False
+    gap: float = 0.0          # s between two messages one sender issues on it (LogP's g)
+
+    def __post_init__(self):
+        if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
+            raise ValueError(f"link {self.name!r}: bandwidth must be a positive number")
+        for f in ("latency", "gap"):
+            v = getattr(self, f)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"link {self.name!r}: {f} must be >= 0")
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str
+    servers: int
+    gpus_per_server: int
+    intra: str
+    intra_link: LinkSpec
+    nic_link: LinkSpec
+    nics_per_server: int = 1
+    rails: bool = False
+    tiers: int = 1
+    servers_per_leaf: int = 0          # 0: every server under one leaf
+    leaves_per_pod: int = 0            # server groups (of servers_per_leaf) per pod; 0: one pod
+    oversubscription: float = 1.0
+    core_oversubscription: float = 1.0
+    switch_latency: float = 0.0
+    pcie_root_bandwidth: Optional[float] = None
+    gamma: float = 0.0
+    delta: float = 0.0
+    reduce_overlap: bool = False
+    rendezvous: bool = True
+    description: str = ""
+    sources: Tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self):
+        def positive_int(name):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"topology {self.name!r}: {name} must be an integer >= 1, got {v!r}")
+        for f in ("servers", "gpus_per_server", "nics_per_server", "tiers"):
+            positive_int(f)
+        if self.intra not in INTRA_KINDS:
+            raise ValueError(f"topology {self.name!r}: intra must be one of {INTRA_KINDS}, "
+                             f"got {self.intra!r}")
+        if self.nics_per_server > self.gpus_per_server:
+            raise ValueError(f"topology {self.name!r}: more NICs than accelerators per server")
+        if self.tiers > 3:
+            raise ValueError(f"topology {self.name!r}: tiers must be 1, 2 or 3")
+        for f in ("servers_per_leaf", "leaves_per_pod"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"topology {self.name!r}: {f} must be an integer >= 0")
+        for f in ("oversubscription", "core_oversubscription"):
+            v = getattr(self, f)
+            if not (v >= 1.0 and math.isfinite(v)):
+                raise ValueError(f"topology {self.name!r}: {f} must be >= 1 (downlink:uplink), "
+                                 f"got {v!r}")
+        for f in ("switch_latency", "gamma", "delta"):
+            v = getattr(self, f)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"topology {self.name!r}: {f} must be >= 0")
+        if self.pcie_root_bandwidth is not None and not self.pcie_root_bandwidth > 0:
+            raise ValueError(f"topology {self.name!r}: pcie_root_bandwidth must be > 0 or None")
+
+    # ------------------------------------------------------------------ derived shape
+    @property
+    def endpoints(self) -> int:
+        return self.servers * self.gpus_per_server
+
+    @property
+    def leaf_servers(self) -> int:
+        """Servers per leaf group (all of them when not set or one tier)."""
+        if self.tiers == 1 or self.servers_per_leaf <= 0:
+            return self.servers
+        return min(self.servers_per_leaf, self.servers)
+
+    @property
+    def groups(self) -> int:
+        return -(-self.servers // self.leaf_servers)
+
+    @property
+    def pod_groups(self) -> int:
+        if self.tiers < 3 or self.leaves_per_pod <= 0:
+            return self.groups
+        return min(self.leaves_per_pod, self.groups)
+
+    def with_servers(self, servers: int) -> "Topology":
+        return dataclasses.replace(self, servers=int(servers))
+
+    def replace(self, **kw) -> "Topology":
+        return dataclasses.replace(self, **kw)
+
+    def node_map(self, placement: Optional[Sequence[int]] = None, ranks: Optional[int] = None
+                 ) -> Tuple[int, ...]:
+        """Server of every rank (the ``topology`` tuple the hier family takes)."""
+        pl = default_placement(self, ranks) if placement is None else np.asarray(placement)
+        return tuple(int(e) // self.gpus_per_server for e in pl)
+
+    def describe(self) -> str:
+        g = self.gpus_per_server
+        nic = (f"{self.nics_per_server} x {self.nic_link.name} per server"
+               f"{' (rail-optimised)' if self.rails and self.nics_per_server > 1 else ''}")
+        net = "one switch" if self.tiers == 1 else (
+            f"{self.tiers}-tier fat-tree, {self.leaf_servers} servers per leaf"
+            + (f", {self.pod_groups} leaf groups per pod" if self.tiers == 3 else "")
+            + f", oversubscription {self.oversubscription:g}:1"
+            + (f" (core {self.core_oversubscription:g}:1)" if self.tiers == 3 else ""))
+        return (f"{self.name}: {self.servers} servers x {g} accelerators ({self.endpoints}); intra "
+                f"{self.intra} {self.intra_link.name} {self.intra_link.bandwidth / GB:g} GB/s; "
+                f"{nic} {self.nic_link.bandwidth / GB:g} GB/s each; {net}")
+
+
+def default_placement(topo: Topology, ranks: Optional[int] = None) -> np.ndarray:
+    """Ranks fill servers in order: rank r on endpoint r (server r // g, local index r % g)."""
+    n = topo.endpoints if ranks is None else int(ranks)
+    if n > topo.endpoints:
+        raise ValueError(f"{n} ranks do not fit on {topo.name} ({topo.endpoints} accelerators)")
+    return np.arange(n, dtype=np.int64)
+
+
+class Fabric:
+    """The directed links of a topology and the route of every (src, dst) endpoint pair.
+
+    Link ids, in blocks: accelerator out / in (intra, or PCIe), PCIe roots, full-mesh pair links,
+    NIC out / in, leaf up / down trunks, pod up / down trunks, and one local-copy link per
+    endpoint (a message to oneself is a memcpy at 1/delta)."""
+
+    MAX_HOPS = 9
+
+    def __init__(self, topo: Topology):
+        self.topo = t = topo
+        g, S, E = t.gpus_per_server, t.servers, t.endpoints
+        nps = t.nics_per_server
+        caps: List[np.ndarray] = []
+        names: List[str] = []
+        kinds: List[np.ndarray] = []
+        self._base: Dict[str, int] = {}
+
+        def block(kind: str, n: int, cap: float, label) -> None:
+            self._base[kind] = sum(len(c) for c in caps)
+            caps.append(np.full(n, float(cap)))
+            names.extend(label(i) for i in range(n)) if n <= 200_000 else None
+            kinds.append(np.full(n, len(self._base) - 1))
+
+        intra_bw = t.intra_link.bandwidth
+        if t.intra in ("nvswitch", "pcie"):
+            block("acc_out", E, intra_bw, lambda i: f"{t.intra} out of acc {i}")
+            block("acc_in", E, intra_bw, lambda i: f"{t.intra} into acc {i}")
+        if t.intra == "pcie":
+            root = t.pcie_root_bandwidth if t.pcie_root_bandwidth else math.inf
+            block("root", S, root, lambda i: f"PCIe root of server {i}")
+        if t.intra == "fullmesh":
+            per = intra_bw / max(1, g - 1)
+            block("pair", S * g * g, per,
+                  lambda i: f"mesh link {i // (g * g)}:{i % (g * g) // g}->{i % g}")
+        nic_bw = t.nic_link.bandwidth
+        block("nic_out", S * nps, nic_bw, lambda i: f"NIC {i // nps}.{i % nps} out")
+        block("nic_in", S * nps, nic_bw, lambda i: f"NIC {i // nps}.{i % nps} in")
+        self.nics_per_leaf = t.leaf_servers * (1 if t.rails else nps)
+        self.leaves = t.groups * (nps if t.rails else 1)
+        leaf_cap = self.nics_per_leaf * nic_bw / t.oversubscription
+        if t.tiers >= 2:
+            block("leaf_up", self.leaves, leaf_cap, lambda i: f"leaf {i} uplink")
+            block("leaf_down", self.leaves, leaf_cap, lambda i: f"leaf {i} downlink")
+        self.leaves_per_pod = t.pod_groups * (nps if t.rails else 1)
+        self.pods = -(-t.groups // t.pod_groups)
+        if t.tiers >= 3:
+            pod_cap = self.leaves_per_pod * leaf_cap / t.core_oversubscription
+            block("pod_up", self.pods, pod_cap, lambda i: f"pod {i} uplink")
+            block("pod_down", self.pods, pod_cap, lambda i: f"pod {i} downlink")
+        local = 1.0 / t.delta if t.delta > 0 else math.inf
+        block("local", E, local, lambda i: f"local copy on acc {i}")
+        self.capacity = np.concatenate(caps)
+        self._names = names if len(names) == len(self.capacity) else None
+        self.kind_of = np.concatenate(kinds)
+        self.kinds = list(self._base)
+
+    def __len__(self) -> int:
+        return len(self.capacity)
+
+    def name(self, link: int) -> str:
+        if self._names is not None:
+            return self._names[link]
+        kind = self.kinds[int(self.kind_of[link])]
+        return f"{kind} {link - self._base[kind]}"
+
+    def routes(self, src: np.ndarray, dst: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(links, latency): links is (F, MAX_HOPS) of link ids padded with -1; latency (F,) s."""
+        links, lat, _ = self.routes_gaps(src, dst)
+        return links, lat
+
+    def routes_gaps(self, src: np.ndarray, dst: np.ndarray
+                    ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """routes() and the issue gap of each (that of its first link class; 0 to oneself)."""
+        t = self.topo
+        g, nps = t.gpus_per_server, t.nics_per_server
+        src = np.asarray(src, dtype=np.int64)
+        dst = np.asarray(dst, dtype=np.int64)
+        F = len(src)
+        links = np.full((F, self.MAX_HOPS), -1, dtype=np.int64)
+        lat = np.zeros(F)
+        sa, sb = src // g, dst // g
+        ia, ib = src % g, dst % g
+        self_msg = src == dst
+        same = (sa == sb) & ~self_msg
+        cross = sa != sb
+        b = self._base
+        col = np.zeros(F, dtype=np.int64)      # next free hop column per flow
+
+        def put(mask, ids):
+            if not mask.any():
+                return
+            rows = np.nonzero(mask)[0]
+            links[rows, col[rows]] = ids[rows] if isinstance(ids, np.ndarray) else ids
+            col[rows] += 1
+
+        put(self_msg, b["local"] + src)
+        # inside a server
+        if t.intra in ("nvswitch", "pcie"):
+            put(same, b["acc_out"] + src)
+            if t.intra == "pcie" and t.pcie_root_bandwidth:
+                put(same, b["root"] + sa)
+            put(same, b["acc_in"] + dst)
+        else:
+            put(same, b["pair"] + sa * g * g + ia * g + ib)
+        lat[same] = t.intra_link.latency
+        gap = np.zeros(F)
+        gap[same] = t.intra_link.gap
+        # between servers
+        if cross.any():
+            if t.intra == "pcie":
+                put(cross, b["acc_out"] + src)
+                if t.pcie_root_bandwidth:
+                    put(cross, b["root"] + sa)
+            ka, kb = ia * nps // g, ib * nps // g
+            na, nb = sa * nps + ka, sb * nps + kb
+            put(cross, b["nic_out"] + na)
+            hops = np.ones(F)
+            if t.tiers >= 2:
+                ga, gb = sa // t.leaf_servers, sb // t.leaf_servers
+                la = ga * nps + ka if t.rails else ga
+                lb = gb * nps + kb if t.rails else gb
+                up = cross & (la != lb)
+                put(up, b["leaf_up"] + la)
+                hops[up] = 3
+                if t.tiers >= 3:
+                    qa, qb = ga // t.pod_groups, gb // t.pod_groups
+                    core = up & (qa != qb)
+                    put(core, b["pod_up"] + qa)
+                    put(core, b["pod_down"] + qb)
+                    hops[core] = 5
+                put(up, b["leaf_down"] + lb)
+            put(cross, b["nic_in"] + nb)
+            if t.intra == "pcie":
+                if t.pcie_root_bandwidth:
+                    put(cross, b["root"] + sb)
+                put(cross, b["acc_in"] + dst)
+            lat[cross] = t.nic_link.latency + hops[cross] * t.switch_latency
+            gap[cross] = t.nic_link.gap
+        return links, lat, gap
+
+
+# ------------------------------------------------------------------------------ files
+def _num(v: Any, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{what}: expected a number, got {v!r}")
+    return float(v)
+
+
+def link_from_dict(d: Mapping[str, Any], name: str = "link",
+                   links: Optional[Mapping[str, LinkSpec]] = None) -> LinkSpec:
+    """A link from a file/preset entry: either ``{"preset": "ib-ndr-400", ...overrides}`` or
+    ``{"bandwidth_GBps": 47, "latency_us": 4, "line_rate_GBps": 50, "source": "...",
+    "illustrative": false}``. Overrides replace single fields of the preset."""
+    if isinstance(d, str):
+        d = {"preset": d}
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{name}: expected a table/object or a link preset name, got {d!r}")
+    known = {"preset", "name", "bandwidth_GBps", "latency_us", "line_rate_GBps", "source",
+             "illustrative", "gap_us"}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"{name}: unknown keys {sorted(unknown)}; allowed: {sorted(known)}")
+    base: Dict[str, Any] = {}
+    if "preset" in d:
+        links = links or {}
+        if d["preset"] not in links:
+            raise ValueError(f"{name}: unknown link preset {d['preset']!r}; "
+                             f"known: {', '.join(sorted(links))}")
+        base = dataclasses.asdict(links[d["preset"]])
+    out = dict(base)
+    out["name"] = str(d.get("name", base.get("name", name)))
+    if "bandwidth_GBps" in d:
+        out["bandwidth"] = _num(d["bandwidth_GBps"], f"{name}.bandwidth_GBps") * GB
+    if "latency_us" in d:
+        out["latency"] = _num(d["latency_us"], f"{name}.latency_us") * US
+    if "gap_us" in d:
+        out["gap"] = _num(d["gap_us"], f"{name}.gap_us") * US
+    if "line_rate_GBps" in d:
+        out["line_rate"] = _num(d["line_rate_GBps"], f"{name}.line_rate_GBps") * GB
+    if "source" in d:
+        out["source"] = str(d["source"])
+    if "illustrative" in d:
+        out["illustrative"] = bool(d["illustrative"])
+    if "bandwidth" not in out or "latency" not in out:
+        raise ValueError(f"{name}: give a preset or both bandwidth_GBps and latency_us")
+    return LinkSpec(**out)
+
+
+_TOP_KEYS = {"name", "base", "description", "servers", "gpus_per_server", "intra", "nic",
+             "network", "compute", "sources"}
+
+
+def topology_from_dict(d: Mapping[str, Any], links: Mapping[str, LinkSpec],
+                       topologies: Optional[Mapping[str, Topology]] = None) -> Topology:
+    """Build a Topology from the file format (README "Simulator"); ``base`` starts from a preset."""
+    if not isinstance(d, Mapping):
+        raise ValueError("a topology must be a table/object")
+    unknown = set(d) - _TOP_KEYS
+    if unknown:
+        raise ValueError(f"unknown topology keys {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+    kw: Dict[str, Any] = {}
+    if "base" in d:
+        topologies = topologies or {}
+        if d["base"] not in topologies:
+            raise ValueError(f"unknown base topology {d['base']!r}; known: "
+                             f"{', '.join(sorted(topologies))}")
+        kw = {f.name: getattr(topologies[d["base"]], f.name)
+              for f in dataclasses.fields(Topology)}
+    kw["name"] = str(d.get("name", kw.get("name", "custom")))
+    for k in ("servers", "gpus_per_server"):
+        if k in d:
+            kw[k] = d[k]
+    if "description" in d:
+        kw["description"] = str(d["description"])
+    if "sources" in d:
+        kw["sources"] = tuple(str(s) for s in d["sources"])
+
+    def section(key: str, allowed: set) -> Mapping[str, Any]:
+        sec = d.get(key, {})
+        if not isinstance(sec, Mapping):
+            raise ValueError(f"[{key}] must be a table/object")
+        bad = set(sec) - allowed
+        if bad:
+            raise ValueError(f"[{key}]: unknown keys {sorted(bad)}; allowed: {sorted(allowed)}")
+        return sec
+
+    intra = section("intra", {"kind", "link", "pcie_root_GBps"})
+    if "kind" in intra:
+        kw["intra"] = intra["kind"]
+    if "link" in intra:
+        kw["intra_link"] = link_from_dict(intra["link"], "intra.link", links)
+    if "pcie_root_GBps" in intra:
+        v = intra["pcie_root_GBps"]
+        kw["pcie_root_bandwidth"] = None if v in (None, 0) else _num(v, "pcie_root_GBps") * GB
+    nic = section("nic", {"per_server", "link", "rails"})
+    if "per_server" in nic:
+        kw["nics_per_server"] = nic["per_server"]
+    if "link" in nic:
+        kw["nic_link"] = link_from_dict(nic["link"], "nic.link", links)
+    if "rails" in nic:
+        kw["rails"] = bool(nic["rails"])
+    net = section("network", {"tiers", "servers_per_leaf", "leaves_per_pod", "oversubscription",
+                              "core_oversubscription", "switch_latency_us", "rendezvous"})
+    if "rendezvous" in net:
+        kw["rendezvous"] = bool(net["rendezvous"])
+    for k in ("tiers", "servers_per_leaf", "leaves_per_pod"):
+        if k in net:
+            kw[k] = net[k]
+    for k in ("oversubscription", "core_oversubscription"):
+        if k in net:
+            kw[k] = _num(net[k], f"network.{k}")
+    if "switch_latency_us" in net:
+        kw["switch_latency"] = _num(net["switch_latency_us"], "switch_latency_us") * US
+    comp = section("compute", {"reduce_GBps", "copy_GBps", "reduce_overlap"})
+    if "reduce_GBps" in comp:
+        v = _num(comp["reduce_GBps"], "compute.reduce_GBps")
+        kw["gamma"] = 0.0 if v == 0 else 1.0 / (v * GB)
+    if "copy_GBps" in comp:
+        v = _num(comp["copy_GBps"], "compute.copy_GBps")
+        kw["delta"] = 0.0 if v == 0 else 1.0 / (v * GB)
+    if "reduce_overlap" in comp:
+        kw["reduce_overlap"] = bool(comp["reduce_overlap"])
+    missing = [k for k in ("servers", "gpus_per_server", "intra", "intra_link", "nic_link")
+               if k not in kw]
+    if missing:
+        raise ValueError(f"topology {kw['name']!r} lacks {missing} (or give base = PRESET)")
+    return Topology(**kw)
+
+
+def read_topology_file(path: str, links: Mapping[str, LinkSpec],
+                       topologies: Mapping[str, Topology]) -> Topology:
+    """A topology from a .toml (Python >= 3.11, tomllib) or .json file."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"topology file {path!r} not found")
+    with open(path, "rb") as f:
+        raw = f.read()
+    if path.endswith(".toml"):
+        try:
+            import tomllib
+        except ImportError:      # Python < 3.11: no TOML parser in the standard library
+            raise ValueError(f"{path}: reading TOML needs Python >= 3.11 (tomllib); "
+                             f"write the same tables as a .json file instead") from None
+        try:
+            data = tomllib.loads(raw.decode())
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: {e}") from None
+    else:
+        try:
+            data = json.loads(raw.decode())
+        except ValueError as e:
+            raise ValueError(f"{path}: not valid JSON: {e}") from None
+    try:
+        return topology_from_dict(data, links, topologies)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
