@@ -73,7 +73,8 @@ import secrets
 import socket
 import sys
 import threading
-from typing import Callable, List, Optional, Sequence
+import time
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -84,7 +85,7 @@ from .communicator import Communicator
 from .errors import CommError, CommTimeout, MismatchError, PeerFailure
 from .launch.world import connect_world
 from .p2p import ANY_SOURCE
-from .rendezvous import new_token
+from .rendezvous import RendezvousError, new_token, rank_ranges
 
 if not dist.is_available():                          # pragma: no cover - torch built without it
     raise ImportError("minicomm.torch needs torch.distributed (this torch build has none)")
@@ -469,7 +470,7 @@ class _Engine:
 # ---------------------------------------------------------------------------------- store
 class _TorchStore:
     """minicomm's rendezvous-store interface over a c10d store: ``set``, ``get(key, timeout)``,
-    ``add``, ``local_address``. Keys live under ``minicomm/<generation>/``; torch owns the store
+    ``add``, ``join`` / ``wait_world`` (membership), ``local_address``. Keys live under ``minicomm/<generation>/``; torch owns the store
     (``close`` drops the reference, leaving it open)."""
 
     def __init__(self, store, timeout: float):
@@ -477,6 +478,7 @@ class _TorchStore:
         self.timeout = timeout
         self.prefix = "minicomm/"
         self.host = _store_host(store)
+        self._job = ("", 0)
 
     def set(self, key: str, value: bytes) -> None:
         self._store.set(self.prefix + key, bytes(value))
@@ -496,6 +498,39 @@ class _TorchStore:
 
     def add(self, key: str, delta: int = 1) -> int:
         return int(self._store.add(self.prefix + key, int(delta)))
+
+    def join(self, job: str, size: int, rank: int, **info) -> None:
+        """``StoreClient.join``: become ``rank`` of the job (a rank joins once per generation)."""
+        rec = dict(info, job=str(job), size=int(size), rank=int(rank), pid=os.getpid())
+        rec.setdefault("host", socket.gethostname())
+        if self.add(f"claims/{int(rank)}", 1) != 1:
+            raise RendezvousError(f"torch store: rank {rank} joined this job twice")
+        self.set(f"member/{int(rank)}", json.dumps(rec).encode())
+        self._job = (str(job), int(size))
+
+    def wait_world(self, timeout: Optional[float] = None) -> Dict[int, dict]:
+        """``StoreClient.wait_world``: rank -> join record once every rank has joined;
+        CommTimeout with ``arrived`` / ``missing`` if they have not within ``timeout``."""
+        job, size = self._job
+        wait = self.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + wait
+        members: Dict[int, dict] = {}
+        for r in range(size):
+            try:
+                raw = self.get(f"member/{r}", timeout=max(1e-3, deadline - time.monotonic()))
+            except CommTimeout:
+                arrived = [q for q in range(size)
+                           if self._store.check([f"{self.prefix}member/{q}"])]
+                missing = sorted(set(range(size)) - set(arrived))
+                err = CommTimeout(f"torch store: {len(arrived)} of {size} ranks arrived within "
+                                  f"{wait:g}s (missing ranks {rank_ranges(missing)})")
+                err.arrived, err.missing = arrived, missing
+                raise err from None
+            members[r] = json.loads(raw.decode())
+            if (members[r].get("job"), members[r].get("size")) != (job, size):
+                raise RendezvousError(f"torch store: rank {r} belongs to another job "
+                                      f"({members[r].get('job')}, size {members[r].get('size')})")
+        return members
 
     def local_address(self) -> str:
         """The address of this host on the route to the store's host: what peers can reach."""
