@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="launch a script on N ranks (this box, or hosts over ssh)")
     r.add_argument("-n", type=int, help="number of ranks (with --hosts: cap on the total)")
     r.add_argument("--nodes", type=int, default=1, help="emulated nodes on this box")
-    r.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"])
+    r.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "rdma", "ub"])
     r.add_argument("--timeout", type=float, default=None, help="per-wait timeout (s)")
     r.add_argument("--servers", type=int, default=None,
                    help="parameter servers: ranks 0..K-1 serve in ps.start(comm), the rest are "

@@ -33,6 +33,7 @@ from .executor import Plan, run_plan
 from .p2p import ANY_SOURCE, ANY_TAG, MAX_TAG, P2PEngine, Status
 from .schedule import ROOTED
 from .transports.base import ABORT_CALL, ABORT_KINDS, Tag
+from .window import Window
 
 DEFAULT_TIMEOUT = 300.0
 _new_tag = tuple.__new__               # Tag(...) without the namedtuple's Python-level __new__
@@ -839,6 +840,11 @@ class Communicator:
                             topology=[self.topology[r] for r in ranks],
                             comm_id=int(ids[min(ranks), 0]), timeout=self.timeout,
                             check=self.check, link_model=self.link_model, _owner=False)
+
+    # ------------------------------------------------------------------ one-sided
+    def window(self, array) -> Window:
+        """One-sided RMA window exposing ``array`` to every rank (collective): minicomm.window."""
+        return Window(self, array)
 
     def abort(self, reason: str = "aborted by the user") -> None:
         """Fail this communicator now: a call blocked in another thread raises at once, queued

@@ -13,6 +13,16 @@ Store. ``StoreServer`` serves set / blocking get / atomic add over one connectio
 thread per connection, so a stray or stuck client never delays the others. ``StoreClient`` is
 thread-safe (one request at a time on its socket).
 
+Membership. A rank ``join``s the store before it uses it: (job identity, world size, rank, a
+random member id, host, pid). The store belongs to the first job that joins it (or the one it was
+built for) and refuses a member of any other job (another identity or size) with a
+``RendezvousError`` naming both jobs. Two processes claiming one rank of the same job mean two
+jobs that carry the same identity share this port (generic ``RANK`` / ``WORLD_SIZE`` /
+``MASTER_PORT`` with nothing job-unique in them): before the world is complete that stops every
+member (the store is poisoned: every call, waiting ones included, raises the conflict); after it
+is complete only the newcomer is refused. ``wait_world`` blocks until every rank has joined, or
+reports how many did (``CommTimeout``).
+
 Peer links. ``dial_peer`` and ``accept_peers`` build the authenticated full mesh that shm and tcp
 use: the higher rank dials the lower one, authenticates, and both sides exchange ranks. Incoming
 handshakes run on short-lived threads, so a stray connection that never speaks cannot stall the
@@ -21,6 +31,7 @@ job's setup; it is dropped when its handshake times out.
 from __future__ import annotations
 
 import hmac
+import json
 import os
 import queue
 import secrets
@@ -42,6 +53,11 @@ HANDSHAKE_TIMEOUT = 10.0              # per connection; a silent stray is droppe
 
 class AuthError(CommError):
     """The other side of a connection does not hold this job's token."""
+
+
+class RendezvousError(CommError):
+    """The rendezvous store refused this process: it belongs to another job, or two processes of
+    jobs that look alike claimed one rank (two jobs share a port)."""
 
 
 def new_token() -> bytes:
@@ -115,7 +131,7 @@ def authenticate_client(sock: socket.socket, token: bytes, timeout: float) -> No
     _send_all(sock, nc + _mac(token, b"client", ns, nc), deadline, "authentication")
     try:
         mac = _recv_exact(sock, _MAC, deadline, "authentication")
-    except PeerFailure:
+    except (PeerFailure, ConnectionResetError):   # a refusing server closes the connection
         raise AuthError("the server refused our job token") from None
     if not hmac.compare_digest(mac, _mac(token, b"server", ns, nc)):
         raise AuthError("the server failed authentication (it does not hold the job token)")
@@ -123,8 +139,9 @@ def authenticate_client(sock: socket.socket, token: bytes, timeout: float) -> No
 
 
 # ------------------------------------------------------------------------------------ store
-_OP_SET, _OP_GET, _OP_ADD = 1, 2, 3
-_ST_OK, _ST_TIMEOUT, _ST_ERROR = 0, 1, 2
+_OP_SET, _OP_GET, _OP_ADD, _OP_JOIN, _OP_WAIT_WORLD = 1, 2, 3, 4, 5
+_ST_OK, _ST_TIMEOUT, _ST_ERROR, _ST_REFUSED = 0, 1, 2, 3
+_MAX_JOIN = 1 << 16                   # a join record is a small JSON object
 _REQ = struct.Struct("!BIQ")          # op, key length, value length
 _RESP = struct.Struct("!BQ")          # status, payload length
 _MAX_KEY = 4096
@@ -132,12 +149,20 @@ _MAX_VALUE = 1 << 30
 
 
 class StoreServer:
-    """Key-value store of one job, served from daemon threads of this process."""
+    """Key-value store of one job, served from daemon threads of this process.
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: bytes = b""):
+    ``job``: (identity, world size) of the job it serves; None: the first member to join sets it.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: bytes = b"",
+                 job: Optional[Tuple[str, int]] = None):
         if not token:
             raise ValueError("StoreServer needs the job token (bytes)")
         self._token = token
+        self._job = None if job is None else (str(job[0]), int(job[1]))
+        self._members: Dict[int, dict] = {}      # rank -> its join record
+        self._complete = False
+        self._poisoned: Optional[str] = None     # why every call now fails
         self._data: Dict[str, bytes] = {}
         self._cond = threading.Condition()
         self._closed = False
@@ -201,6 +226,20 @@ class StoreServer:
 
     def _handle(self, op: int, key: str, value: bytes) -> Tuple[int, bytes]:
         with self._cond:
+            if self._poisoned is not None:
+                return _ST_ERROR, self._poisoned.encode()
+            if op == _OP_JOIN:
+                return self._join(value)
+            if op == _OP_WAIT_WORLD:
+                timeout = struct.unpack("!d", value)[0]
+                self._cond.wait_for(lambda: self._complete or self._closed
+                                    or self._poisoned is not None, timeout)
+                if self._poisoned is not None:
+                    return _ST_ERROR, self._poisoned.encode()
+                if self._closed:
+                    return _ST_ERROR, b"store is shutting down"
+                members = {str(r): m for r, m in sorted(self._members.items())}
+                return (_ST_OK if self._complete else _ST_TIMEOUT), json.dumps(members).encode()
             if op == _OP_SET:
                 self._data[key] = value
                 self._cond.notify_all()
@@ -213,11 +252,48 @@ class StoreServer:
                 return _ST_OK, self._data[key]
             if op == _OP_GET:
                 timeout = struct.unpack("!d", value)[0]
-                found = self._cond.wait_for(lambda: key in self._data or self._closed, timeout)
+                found = self._cond.wait_for(lambda: key in self._data or self._closed
+                                            or self._poisoned is not None, timeout)
+                if self._poisoned is not None:
+                    return _ST_ERROR, self._poisoned.encode()
                 if self._closed:
                     return _ST_ERROR, b"store is shutting down"
                 return (_ST_OK, self._data[key]) if found else (_ST_TIMEOUT, b"")
         return _ST_ERROR, f"unknown store op {op}".encode()
+
+    def _join(self, value: bytes) -> Tuple[int, bytes]:
+        """A rank joins (called with the lock held). See the module header for the rules."""
+        try:
+            rec = json.loads(value.decode())
+            job, size, rank = str(rec["job"]), int(rec["size"]), int(rec["rank"])
+            member = str(rec["member"])
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            return _ST_REFUSED, b"malformed join record"
+        if self._job is None:
+            self._job = (job, size)
+        mine, theirs = _describe_job(*self._job), _describe_job(job, size)
+        if (job, size) != self._job:
+            return _ST_REFUSED, (f"this rendezvous store serves {mine}; the joining process "
+                                 f"belongs to {theirs}").encode()
+        if not 0 <= rank < size:
+            return _ST_REFUSED, f"rank {rank} is outside {mine}".encode()
+        prev = self._members.get(rank)
+        if prev is None:
+            self._members[rank] = rec
+            self._complete = len(self._members) == size
+            self._cond.notify_all()
+            return _ST_OK, b""
+        if prev["member"] == member:
+            return _ST_OK, b""        # the same process again
+        clash = (f"two processes claim rank {rank} of {mine}: {_describe_member(prev)} and "
+                 f"{_describe_member(rec)}. Two jobs with nothing job-unique in their environment "
+                 f"share this store's port")
+        if self._complete:
+            return _ST_REFUSED, (clash + "; the world was already complete, so only the "
+                                 "newcomer is refused").encode()
+        self._poisoned = clash + "; every member of this rendezvous is stopped"
+        self._cond.notify_all()
+        return _ST_ERROR, self._poisoned.encode()
 
     def close(self) -> None:
         with self._cond:
@@ -246,6 +322,14 @@ class StoreServer:
         self.close()
 
 
+def _describe_job(identity: str, size: int) -> str:
+    return f"job {identity!r} of {size} ranks" if identity else f"a job of {size} ranks"
+
+
+def _describe_member(rec: dict) -> str:
+    return f"pid {rec.get('pid', '?')} on {rec.get('host', '?')}"
+
+
 def _recv_or_eof(conn: socket.socket, n: int) -> Optional[bytes]:
     buf = bytearray(n)
     view = memoryview(buf)
@@ -268,11 +352,16 @@ class StoreClient:
     def __init__(self, host: str, port: int, token: bytes, timeout: float = 300.0):
         self.host, self.port, self.timeout = host, port, float(timeout)
         self.token = token
+        self._member = secrets.token_hex(8)       # this client's identity as a member
         self._lock = threading.Lock()
         deadline = time.monotonic() + self.timeout
         self._sock = _connect_with_retry((host, port), deadline, f"rendezvous store {host}:{port}")
         try:
             authenticate_client(self._sock, token, max(0.0, deadline - time.monotonic()))
+        except OSError as e:
+            self._sock.close()
+            raise PeerFailure(f"rendezvous store {host}:{port}: connection lost during "
+                              f"authentication: {e}") from None
         except BaseException:
             self._sock.close()
             raise
@@ -304,8 +393,41 @@ class StoreClient:
                     raise
                 raise PeerFailure(f"{what}: connection lost: {e}") from None
         if status == _ST_ERROR:
-            raise CommError(f"{what}: {payload.decode(errors='replace')}")
+            text = payload.decode(errors="replace")
+            if op == _OP_JOIN or text.startswith("two processes claim"):
+                raise RendezvousError(f"{what}: {text}")
+            raise CommError(f"{what}: {text}")
+        if status == _ST_REFUSED:
+            raise RendezvousError(f"{what}: {payload.decode(errors='replace')}")
         return status, payload
+
+    def join(self, job: str, size: int, rank: int, **info) -> None:
+        """Become ``rank`` of the job (identity ``job``, ``size`` ranks); ``info`` (JSON values:
+        host, node, ...) is returned to every member by ``wait_world``. RendezvousError if the
+        store belongs to another job or the rank is taken (see the module header)."""
+        rec = dict(info, job=str(job), size=int(size), rank=int(rank), member=self._member,
+                   pid=os.getpid())
+        rec.setdefault("host", socket.gethostname())
+        data = json.dumps(rec).encode()
+        if len(data) > _MAX_JOIN:
+            raise ValueError(f"join record longer than {_MAX_JOIN} bytes")
+        self._call(_OP_JOIN, "join", data, self.timeout)
+
+    def wait_world(self, timeout: Optional[float] = None) -> Dict[int, dict]:
+        """Wait until every rank has joined; returns rank -> join record. CommTimeout (with
+        ``arrived`` and ``missing`` attributes) if they have not within ``timeout``."""
+        wait = self.timeout if timeout is None else float(timeout)
+        status, payload = self._call(_OP_WAIT_WORLD, "world", struct.pack("!d", wait), wait + 10.0)
+        members = {int(r): m for r, m in json.loads(payload.decode()).items()}
+        if status == _ST_TIMEOUT:
+            size = next(iter(members.values()))["size"] if members else 0
+            missing = sorted(set(range(size)) - set(members))
+            err = CommTimeout(f"rendezvous store {self.host}:{self.port}: {len(members)} of "
+                              f"{size} ranks arrived within {wait:g}s (missing ranks "
+                              f"{rank_ranges(missing)})")
+            err.arrived, err.missing = sorted(members), missing
+            raise err
+        return members
 
     def set(self, key: str, value: bytes) -> None:
         self._call(_OP_SET, key, bytes(value), self.timeout)
@@ -338,6 +460,19 @@ class StoreClient:
         self.close()
 
 
+def rank_ranges(ranks) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5' (missing-rank lists stay short at any world size)."""
+    out, ranks = [], sorted(ranks)
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ", ".join(out) or "none"
+
+
 def _connect_with_retry(addr, deadline: float, what: str) -> socket.socket:
     """Connect, retrying while nothing listens yet: under ``mc.init`` rank 0 hosts the store and
     may start after the others. There is no kernel object to wait on for "a remote port starts
@@ -348,7 +483,14 @@ def _connect_with_retry(addr, deadline: float, what: str) -> socket.socket:
         if left <= 0:
             raise CommTimeout(f"{what}: could not connect before the deadline")
         try:
-            return socket.create_connection(addr, timeout=left)
+            sock = socket.create_connection(addr, timeout=left)
+            if sock.getsockname() == sock.getpeername():
+                # TCP simultaneous open: with nothing listening on a port of the ephemeral range,
+                # the kernel can give the connecting socket that very port, and it connects to
+                # itself (and would hold the port the store is about to bind). Drop it and retry.
+                sock.close()
+                raise ConnectionRefusedError("connected to itself")
+            return sock
         except (ConnectionRefusedError, ConnectionResetError):
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 0.5)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import minicomm as mc
+from extras import module_missing, require
 from minicomm.training import (
     MLP,
     GradBuckets,
@@ -150,7 +151,7 @@ def test_dataset_is_deterministic_and_disjoint():
 
 
 def test_digits_when_scikit_learn_is_installed():
-    pytest.importorskip("sklearn")
+    require(module_missing("sklearn", "demo"))
     ds = load_dataset()
     assert ds.name == "digits"
     assert len(ds.y_train) + len(ds.y_test) == 1797
@@ -250,7 +251,7 @@ def test_data_parallel_rejects_bad_arguments(dataset):
 
 # ------------------------------------------------------------------------------ accuracy
 def test_single_process_accuracy_with_demo_defaults():
-    pytest.importorskip("sklearn")
+    require(module_missing("sklearn", "demo"))
     ds = load_dataset()
     log = train_single(ds, TrainConfig())
     loss, accuracy = evaluate(TrainConfig().model(ds), log.params, ds)
@@ -353,7 +354,7 @@ def test_demo_ps_modes_through_a_stand_in(monkeypatch, tmp_path, capsys):
     for mode in ("single", "allreduce", "ps-sync", "ps-async", "ps-ssp(k=2)"):
         assert mode in out
     assert "Bytes through the busiest endpoint" in out
-    pytest.importorskip("matplotlib")
+    require(module_missing("matplotlib", "plot"))
     assert sorted(os.listdir(tmp_path)) == ["loss_vs_step.png", "loss_vs_time.png",
                                             "throughput.png"]
 

@@ -11,9 +11,15 @@ clear error. A rank that needs more than one kind gets a
 progresses all of them in one loop over one shared epoll set (progress.py), so a hierarchical
 algorithm's intra-node and inter-node messages move at the same time.
 
-Adding a transport (inproc, rdma, ub): give it a builder in ``_BUILDERS`` and, to take part in
-``"auto"``, a reachability rule in ``_AUTO_ORDER``; to be routed with others it implements the
-engine interface of progress.py (``progress()``, ``check(req, what)``) on a shared ``Progress``.
+The one-sided transports ``rdma`` and ``ub`` (simulated NICs, nic.py) are forced, never auto:
+they share memory with the peers of their own node and host (``local``) and reach the others
+through a per-process NIC agent thread; their two-sided messages for the collectives ride on
+one-sided writes (landing.py). ``rma_backend`` gives windows (minicomm.window) the one-sided
+interface of a transport: rdma and ub themselves, shm through shmrma.py.
+
+Adding a transport: give it a builder in ``_BUILDERS`` and, to take part in ``"auto"``, a
+reachability rule in ``_AUTO_ORDER``; to be routed with others it implements the engine
+interface of progress.py (``progress()``, ``check(req, what)``) on a shared ``Progress``.
 """
 from __future__ import annotations
 
@@ -24,20 +30,34 @@ from .base import Request, Tag, Transport
 from .progress import Progress
 
 
-def _build_shm(rank, size, store, job_id, token, peers, deadline, bind_host, progress):
+def _build_shm(rank, size, store, job_id, token, peers, deadline, bind_host, progress, local):
     from .shm import ShmTransport
     return ShmTransport(rank, size, store, job_id, peers, _left(deadline), token=token,
                         progress=progress)
 
 
-def _build_tcp(rank, size, store, job_id, token, peers, deadline, bind_host, progress):
+def _build_tcp(rank, size, store, job_id, token, peers, deadline, bind_host, progress, local):
     from .tcp import TcpTransport
     return TcpTransport(rank, size, store, token, peers, bind_host, _left(deadline),
                         progress=progress)
 
 
-# kind -> builder. The lead registers "inproc", "rdma" and "ub" here.
-_BUILDERS: Dict[str, Callable[..., Transport]] = {"shm": _build_shm, "tcp": _build_tcp}
+def _build_rdma(rank, size, store, job_id, token, peers, deadline, bind_host, progress, local):
+    from .rdma import RdmaTransport
+    return RdmaTransport(rank, size, store, job_id, token, peers, local, _left(deadline),
+                         bind_host, progress=progress)
+
+
+def _build_ub(rank, size, store, job_id, token, peers, deadline, bind_host, progress, local):
+    from .ub import UbTransport
+    return UbTransport(rank, size, store, job_id, token, peers, local, _left(deadline),
+                       bind_host, progress=progress)
+
+
+# kind -> builder(..., local): ``local`` are the peers on this rank's node and host (the
+# one-sided transports share memory with them and reach the others through their NIC agent).
+_BUILDERS: Dict[str, Callable[..., Transport]] = {"shm": _build_shm, "tcp": _build_tcp,
+                                                  "rdma": _build_rdma, "ub": _build_ub}
 
 # "auto": the first kind whose rule accepts (my node, peer's node) carries that peer.
 _AUTO_ORDER = (("shm", lambda mine, theirs: mine == theirs),
@@ -81,7 +101,8 @@ def connect(kind: str, rank: int, size: int, store, job_id: str, token: bytes,
     else:
         raise ValueError(f"unknown transport {kind!r}: choose auto, {', '.join(_BUILDERS)}")
     if not routes:                   # a world of one
-        routes = {"tcp" if kind == "tcp" else "shm": []}
+        routes = {kind if kind in _BUILDERS else "shm": []}
+    local = [r for r in peers if nodes[r] == nodes[rank] and hosts[r] == hosts[rank]]
 
     deadline = time.monotonic() + timeout
     progress = Progress()
@@ -92,7 +113,7 @@ def connect(kind: str, rank: int, size: int, store, job_id: str, token: bytes,
         for k in _BUILDERS:
             if k in routes:
                 built[k] = _BUILDERS[k](rank, size, store, job_id, token, routes[k], deadline,
-                                        bind_host, progress)
+                                        bind_host, progress, local)
     except BaseException:
         for t in built.values():
             t.close()
@@ -151,3 +172,16 @@ class RoutedTransport(Transport):
     def close(self) -> None:
         for t in self._transports.values():
             t.close()
+
+
+def rma_backend(transport):
+    """The one-sided interface of ``transport`` (``rma_expose`` / ``rma_attach``, what windows
+    use), or None: rdma and ub are their own; shm shares the window memory directly; tcp,
+    inproc and routed shm+tcp have none (a tcp peer cannot be reached one-sided)."""
+    if hasattr(transport, "rma_expose"):
+        return transport
+    from .shm import ShmTransport
+    if isinstance(transport, ShmTransport):
+        from .shmrma import ShmRma
+        return ShmRma(transport)
+    return None

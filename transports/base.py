@@ -30,6 +30,14 @@ closed communicator neither blocks the link for the others nor holds memory. An 
 (a message whose ``call`` is ``ABORT_CALL``, its ``step`` the failure kind) tells a peer that this
 rank broke a communicator: the peer's receive on it raises the matching error.
 
+One-sided (optional; shm through shmrma.py, rdma, ub): ``rma_expose(nbytes, name)`` returns this
+rank's exposed memory (``u8``, a ``descriptor`` for the peers, ``seal()`` once every peer has
+attached, ``close()``); ``rma_attach(peer, descriptor, channel)`` a channel to a peer's memory
+with ``put(off, src_u8)`` (may complete at ``flush()``), ``get(off, dst_u8)`` (complete on
+return), ``fadd(off, v)`` / ``cas(off, compare, swap)`` on 8-byte words returning the old value,
+``flush()``, ``close()``; shm channels also offer ``update(off, n, fn)``, a read-modify-write
+under the target's mutex. Failed accesses raise ``RMAError`` naming the transport's status.
+
 ``reduce`` lets a transport reduce straight out of its landing memory (shared memory, a socket
 buffer it owns) into the destination, saving a copy: ``reduce(dst_view, incoming_view)`` performs
 ``dst op= incoming`` in place. Zero-byte messages are real messages (they order; barrier uses them).

@@ -190,9 +190,15 @@ class ShmTransport(LinkEngine):
         chunk = min(CHUNK, ring // 4 // PAGE * PAGE)
         head_bytes = -(-(_RANKS_AT + 8 * len(peers)) // PAGE) * PAGE
         total = head_bytes + len(peers) * (PAGE + ring)
-        self._path = segment_path(self.job_id, me)
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        _linked.add(self._path)
+        path = segment_path(self.job_id, me)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            # not ours: never unlink it (the name may be guessable under a foreign launcher)
+            raise CommError(f"shm: {path} already exists: another job (or another user) uses "
+                            f"job id {self.job_id!r}; refusing to touch it") from None
+        self._path = path             # recorded only once we created it: teardown unlinks ours
+        _linked.add(path)
         try:
             try:
                 os.posix_fallocate(fd, 0, total)

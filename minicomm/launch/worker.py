@@ -28,6 +28,12 @@ def _watch_parent(stream) -> None:
     """The parent holds our stdin open for the whole job: EOF means it died. Leave at once."""
     while stream.read(4096):
         pass
+    try:                      # os._exit skips atexit: unlink our segments ourselves
+        from minicomm.transports import segment, shm
+        shm._unlink_at_exit()
+        segment._unlink_at_exit()         # rdma / ub arenas and shm windows
+    except Exception:
+        pass
     os._exit(70)
 
 

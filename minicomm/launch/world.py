@@ -12,12 +12,16 @@ a hook the world keeps the default link constants (``LinkModel.for_transports``)
 """
 from __future__ import annotations
 
+import errno
 import os
+import socket
+import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..communicator import Communicator
 from ..cost import LinkModel
-from ..rendezvous import StoreClient, StoreServer
+from ..errors import CommError, CommTimeout
+from ..rendezvous import AuthError, RendezvousError, StoreClient, StoreServer, rank_ranges
 from ..transports import connect
 from ..transports.progress import SPIN_S
 
@@ -51,35 +55,83 @@ def link_names(kind: str, several_nodes: bool) -> Tuple[str, str]:
     return kind, kind if several_nodes or kind != "shm" else "tcp"
 
 
-def connect_world(cfg: Dict[str, Any]) -> Communicator:
+def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
     """Build the world communicator from a configuration (from ``spawn`` or ``init``): ``rank``,
     ``size``, ``node`` (logical) or ``topology`` (every rank's), ``host`` (the machine, default
-    the node) or ``hosts`` (every rank's), the store's address and token, ``transport``..."""
+    the node) or ``hosts`` (every rank's), the store's address and token, ``transport``...
+
+    Rendezvous: this rank joins the store as a member of its job (``identity``, default the job
+    id, and ``size``: the store refuses a member of another job), waits until every rank has
+    joined, and learns every rank's node and host from their join records. All of it, and the
+    transports' connections, within ``setup_timeout`` (default ``timeout``, MINICOMM_TIMEOUT or
+    300 s). ``host_store``: this process serves the store on ``master_port`` (``store_bind``);
+    ``store_server``: it already does.
+
+    ``store``: a rendezvous store the caller already has, with ``StoreClient``'s interface
+    (``set``, ``get(key, timeout)``, ``add``, ``join``, ``wait_world``, ``local_address``,
+    ``close``; minicomm.torch adapts the c10d store torch gives a backend). This rank joins it;
+    ``master_port``, ``host_store`` and ``store_server`` are not used."""
     rank, size = cfg["rank"], cfg["size"]
     token = bytes.fromhex(cfg["token"])
     timeout = cfg.get("timeout")
     env_timeout = os.environ.get("MINICOMM_TIMEOUT")
-    setup_timeout = float(timeout if timeout is not None else env_timeout or 300.0)
+    setup_timeout = float(cfg.get("setup_timeout") or
+                          (timeout if timeout is not None else env_timeout or 300.0))
+    deadline = time.monotonic() + setup_timeout
     kind = cfg["transport"]
     if kind not in TRANSPORTS or kind == "inproc":
-        raise ValueError(f"transport {kind!r} cannot connect processes; choose auto, shm or tcp")
-    server = None
-    if cfg.get("host_store"):
-        server = StoreServer("0.0.0.0", cfg["master_port"], token)
-    store = StoreClient(cfg["master_addr"], cfg["master_port"], token, timeout=setup_timeout)
+        raise ValueError(f"transport {kind!r} cannot connect processes; choose auto, shm, tcp, rdma or ub")
+    identity = str(cfg.get("identity") or cfg["job_id"])
+    addr = cfg["master_addr"]
+    server = cfg.get("store_server")
+    if store is not None:
+        server = None
+        store.join(identity, cfg["size"], rank, node=str(cfg.get("node")),
+                   machine=str(cfg.get("host", cfg.get("node"))))
+    else:
+        if server is None and cfg.get("host_store"):
+            server = _host_store(cfg, token, identity, deadline)
+        try:
+            store = _join(cfg, token, identity, deadline)
+        except BaseException:
+            if server is not None:
+                server.close()
+            raise
+    try:
+        members = store.wait_world(_left(deadline))
+    except CommTimeout as e:
+        store.close()
+        if server is not None:
+            server.close()
+        msg = (f"rank {rank}: {len(e.arrived)} of {size} ranks arrived within {setup_timeout:g}s "
+               f"(the setup timeout, MINICOMM_SETUP_TIMEOUT); missing ranks "
+               f"{rank_ranges(e.missing)}. Did every rank start, with the same world size?")
+        err = CommTimeout(msg)
+        err.arrived, err.missing = e.arrived, e.missing
+        raise err from None
+    except BaseException:
+        store.close()
+        if server is not None:
+            server.close()
+        raise
     topology = cfg.get("topology")
     if topology is None:
-        store.set(f"node/{rank}", str(cfg["node"]).encode())
-        names = [store.get(f"node/{r}").decode() for r in range(size)]
+        names = [str(members[r].get("node")) for r in range(size)]
         topology = tuple(names.index(n) for n in names)
     hosts = cfg.get("hosts")          # the machines (what shm can reach); default: the nodes
     if hosts is None:
-        store.set(f"host/{rank}", str(cfg.get("host", cfg["node"])).encode())
-        hosts = tuple(store.get(f"host/{r}").decode() for r in range(size))
+        hosts = tuple(str(members[r].get("machine")) for r in range(size))
     bind = os.environ.get("MINICOMM_BIND") or os.environ.get("MINICOMM_SOCKET_IFNAME_ADDR")
-    t = connect(kind, rank, size, store, cfg["job_id"], token, tuple(topology), setup_timeout,
-                bind_host=bind or ("127.0.0.1" if cfg["master_addr"] in ("127.0.0.1", "localhost")
-                                   else "0.0.0.0"), host_of_rank=tuple(hosts))
+    try:
+        t = connect(kind, rank, size, store, cfg["job_id"], token, tuple(topology),
+                    _left(deadline),
+                    bind_host=bind or ("127.0.0.1" if addr in ("127.0.0.1", "localhost")
+                                       else "0.0.0.0"), host_of_rank=tuple(hosts))
+    except BaseException:
+        store.close()
+        if server is not None:
+            server.close()
+        raise
     intra, inter = link_names(kind, len(set(topology)) > 1)
     comm = Communicator(t, rank, size, topology=topology, timeout=timeout,
                         link_model=LinkModel.for_transports(intra, inter, spin=SPIN_S))
@@ -94,3 +146,80 @@ def connect_world(cfg: Dict[str, Any]) -> Communicator:
     if comm.debug_info and hasattr(t, "describe"):
         comm._log(f"transports: {t.describe()}")
     return comm
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+def _port_hint(cfg: Dict[str, Any]) -> str:
+    src = cfg.get("port_from")
+    return f"port {cfg['master_port']}" + (f" ({src})" if src else "")
+
+
+def _host_store(cfg: Dict[str, Any], token: bytes, identity: str,
+                deadline: float) -> StoreServer:
+    """Serve the job's store on the agreed port. If the port is taken, say by whom — and when the
+    holder is a look-alike job (same identity, same token), join it as rank 0 so that it stops
+    too instead of mixing with our ranks (see rendezvous.py, "Membership")."""
+    port = cfg["master_port"]
+    for _ in range(20):
+        try:
+            return StoreServer(cfg.get("store_bind") or "0.0.0.0", port, token,
+                               job=(identity, cfg["size"]))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise RendezvousError(f"rank {cfg['rank']} cannot serve the rendezvous store on "
+                                      f"{_port_hint(cfg)}: {e}") from None
+        if _listening("127.0.0.1", port) or _left(deadline) <= 0:
+            break
+        # Nobody listens there, yet the port is taken: a connection holds it for a moment (a
+        # peer's connect that met itself, or one in TIME_WAIT without SO_REUSEADDR). Try again.
+        time.sleep(0.05)
+    holder = "by another program"
+    try:
+        with StoreClient("127.0.0.1", port, token, timeout=min(5.0, max(0.5, _left(deadline))))                 as probe:
+            probe.join(identity, cfg["size"], cfg["rank"], node=str(cfg.get("node")),
+                       machine=str(cfg.get("host", cfg.get("node"))))
+            holder = "by another minicomm job that looks exactly like this one"
+    except AuthError:
+        holder = "by another job (its rendezvous store refused this job's token)"
+    except RendezvousError as e:
+        holder = f"by another minicomm job ({e})"
+    except CommError:
+        holder = "by another program (it does not answer minicomm's protocol)"
+    raise RendezvousError(
+        f"rank {cfg['rank']}: {_port_hint(cfg)} is already in use {holder}. Two jobs cannot "
+        f"share a rendezvous port: this job stops here; give it its own MASTER_PORT") from None
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2.0) as s:
+            return s.getsockname() != s.getpeername()
+    except OSError:
+        return False
+
+
+def _join(cfg: Dict[str, Any], token: bytes, identity: str, deadline: float) -> StoreClient:
+    """Reach the job's store and join it as this rank, within the setup deadline."""
+    rank, addr = cfg["rank"], cfg["master_addr"]
+    where = f"the rendezvous store at {addr}:{cfg['master_port']}"
+    try:
+        store = StoreClient(addr, cfg["master_port"], token, timeout=max(0.0, _left(deadline)))
+    except AuthError:
+        raise RendezvousError(
+            f"rank {rank}: {where} ({_port_hint(cfg)}) belongs to another job: it refused this "
+            f"job's token. Two jobs cannot share a rendezvous port: give this one its own "
+            f"MASTER_PORT") from None
+    except CommTimeout:
+        raise CommTimeout(f"rank {rank}: {where} did not answer within the setup timeout "
+                          f"({cfg.get('setup_timeout') or 'MINICOMM_TIMEOUT'} s): the rank that "
+                          f"serves it (rank 0) has not started or is unreachable") from None
+    try:
+        store.join(identity, cfg["size"], rank, node=str(cfg.get("node")),
+                   machine=str(cfg.get("host", cfg.get("node"))))
+    except BaseException:
+        store.close()
+        raise
+    return store

@@ -3,6 +3,7 @@
     minicomm bench allreduce -b 8 -e 64M -f 4 -n 2 --transport shm --algorithms ring,rhd,auto
     minicomm bench all -b 1K -e 1M --peers mpi,gloo --csv out.csv --plot busbw.png
     minicomm bench pushpull       # parameter server vs allreduce vs p2p (minicomm.tools.pushpull_bench)
+    minicomm bench put,get,accumulate,fetch_and_op,cas --peers mpi   # one-sided (tools/rma_bench)
 
 Method, per collective and size, separately for out-of-place and in-place buffers:
   every library (each minicomm algorithm, then each peer) is warmed up; the iterations per batch
@@ -515,7 +516,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of sizes (e.g. 8,1M,64M) instead of -b/-e/-f/-i")
     p.add_argument("-n", "--nranks", type=int, default=None,
                    help="ranks to start (default 2; inside `minicomm run`: the job's)")
-    p.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "inproc"])
+    p.add_argument("--transport", default="auto",
+                   choices=["auto", "shm", "tcp", "rdma", "ub", "inproc"])
+    p.add_argument("--transports", default=None,
+                   help="comma list of transports compared in one interleaved run (one-sided "
+                        "ops: default shm,rdma,ub; collectives: e.g. shm,rdma,ub)")
     p.add_argument("--nodes", type=int, default=1, help="emulated nodes (blocks of ranks)")
     p.add_argument("--algorithms", default="auto",
                    help=f"comma list of {', '.join(FAMILIES)}, auto (default auto)")
@@ -566,6 +571,9 @@ def main_from_cli(a) -> int:
     if a.collective == "pushpull":
         from .pushpull_bench import main_from_cli as pushpull_main
         return pushpull_main(a)
+    from . import rma_bench
+    if rma_bench.handles([c.strip() for c in a.collective.split(",")], a.transports):
+        return rma_bench.main_from_cli(a, config_from_args)   # one-sided ops, or transports
     launched = os.environ.get("MINICOMM_RANK") not in (None, "")
     try:
         cfg = config_from_args(a)

@@ -1,0 +1,120 @@
+"""One-sided access over the shm transport: a window's memory as a shared mapping, nothing more.
+
+Every rank puts its window memory in ``/dev/shm/minicomm-<job>-<name>-<rank>`` (segment.py's
+``Arena``: the first page holds the mutex, the window's bytes follow); every peer maps it.
+``put`` and ``get`` are one memcpy into / out of the target's memory; a read-modify-write
+(``update``: accumulate, fetch-and-op, compare-and-swap, the window's lock word) runs under the
+target's process-shared mutex, so every one of them on a target is atomic with respect to the
+others, whatever the op or dtype. Nothing on the target side takes part (its process may be busy
+computing). The names are unlinked once every member has mapped them (``seal``, after the
+window's creation barrier), on close and at exit.
+
+This is MPI_Win_allocate_shared's mechanism (what MPICH does for ranks of one node), the fastest
+way one process can reach another's memory; the rdma and ub transports simulate NICs instead.
+
+Cost: put / get of n bytes: one copy (n / memory bandwidth); an atomic: a mutex round trip
+(~1 us through ctypes) plus the operation.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from minicomm.errors import CommError
+from .segment import PAGE, Arena, SharedMutex, round_up
+
+
+class ShmRma:
+    """The one-sided interface of a ShmTransport (what ``transports.rma_backend`` returns)."""
+
+    def __init__(self, transport):
+        self.t = transport
+        self.rank = transport.rank
+
+    def rma_expose(self, nbytes: int, name: str) -> "ShmExposure":
+        path = os.path.join("/dev/shm", f"minicomm-{self.t.job_id}-{name}-{self.rank}")
+        return ShmExposure(path, nbytes)
+
+    def rma_attach(self, peer: int, descriptor: bytes, channel: int) -> "ShmChannel":
+        return ShmChannel(descriptor.decode(), own=None)
+
+
+class ShmExposure:
+    def __init__(self, path: str, nbytes: int):
+        self.arena = Arena.create(path, round_up(PAGE + max(nbytes, 1)))
+        try:
+            self.arena.reserve(0, PAGE + nbytes)
+            SharedMutex.initialize(self.arena, 0)
+        except BaseException:
+            self.arena.close()
+            raise
+        self.u8 = self.arena.u8[PAGE:PAGE + nbytes]
+        self.descriptor = path.encode()
+
+    def seal(self) -> None:
+        """Every member mapped it: the name can go."""
+        self.arena.unlink()
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.u8 = None
+            self.arena.close()
+            self.arena = None
+
+
+class ShmChannel:
+    """Direct access to one target's window memory (module doc)."""
+    native_atomics = False
+
+    def __init__(self, path: str, own=None):
+        try:
+            self.arena = Arena.attach(path)
+        except FileNotFoundError:
+            raise CommError(f"shm window: {path} is gone (its owner closed the window)") from None
+        self.mutex = SharedMutex(self.arena, 0, f"window memory {os.path.basename(path)}")
+        self.u8 = self.arena.u8[PAGE:]
+
+    def typed(self, off: int, dtype, count: int) -> np.ndarray:
+        return self.u8[off:off + count * np.dtype(dtype).itemsize].view(dtype)
+
+    def put(self, off: int, src: np.ndarray) -> None:
+        self.u8[off:off + src.nbytes] = src
+
+    def get(self, off: int, dst: np.ndarray) -> None:
+        dst[...] = self.u8[off:off + dst.nbytes]
+
+    def update(self, off: int, nbytes: int, fn):
+        """``fn(view)`` on the target's bytes [off, off+nbytes) under its mutex."""
+        m = self.mutex
+        m.acquire()
+        try:
+            return fn(self.u8[off:off + nbytes])
+        finally:
+            m.release()
+
+    def fadd(self, off: int, value: int) -> int:
+        def op(v):
+            w = v.view(np.int64)
+            old = int(w[0])
+            w += np.int64(value)
+            return old
+        return self.update(off, 8, op)
+
+    def cas(self, off: int, compare: int, swap: int) -> int:
+        def op(v):
+            w = v.view(np.int64)
+            old = int(w[0])
+            if old == compare:
+                w[0] = swap
+            return old
+        return self.update(off, 8, op)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.u8 = None
+            self.arena.close()
+            self.arena = None
