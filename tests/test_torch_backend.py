@@ -505,7 +505,9 @@ def test_torchrun_standalone(tmp_path):
         "dist.all_reduce(t)\n"
         "m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))\n"
         "m(torch.ones(4, 3)).sum().backward()\n"
-        "print('RESULT', dist.get_rank(), t.item(), flush=True)\n"
+        # one write per line: torchrun's ranks share one pipe, unbuffered
+        "import os\n"
+        "os.write(1, f'RESULT {dist.get_rank()} {t.item()}\\n'.encode())\n"
         "dist.destroy_process_group()\n")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node", "2", str(script)], capture_output=True,
