@@ -539,4 +539,8 @@ def test_two_anonymous_ranks_claiming_one_rank_are_both_told():
     procs.append(dup)
     errs = [p.communicate(timeout=60)[1] for p in procs]
     assert all(p.returncode != 0 for p in procs)
-    assert all("two processes claim rank 1" in e for e in errs), errs
+    # the store's host stops the rendezvous as soon as it sees the second claim; a member that
+    # had not read the verdict when the host left gets the lost store instead: still an error
+    # naming the rendezvous and the variables, never a world built of two jobs
+    assert sum("two processes claim rank 1" in e for e in errs) >= 2, [e[-700:] for e in errs]
+    assert all("MASTER_PORT" in e for e in errs), [e[-700:] for e in errs]
