@@ -37,6 +37,7 @@ from .window import Window
 
 DEFAULT_TIMEOUT = 300.0
 _new_tag = tuple.__new__               # Tag(...) without the namedtuple's Python-level __new__
+_get_ident = threading.get_ident
 
 # Context ids (Tag.comm). A communicator has a number, ``comm_id``, unique among the
 # communicators that share a transport; its collectives travel on context ``comm_id << 2`` and its
@@ -154,7 +155,6 @@ class Communicator:
         # one user thread at a time (MPI_THREAD_SERIALIZED), checked by _enter/_exit
         self._guard = threading.Lock()
         self._busy_thread: Optional[int] = None
-        self._busy_name = ""
         self._depth = 0
         self.busy_with: Optional[str] = None     # the call that holds the guard now
         self._broken: Optional[BaseException] = None
@@ -220,16 +220,17 @@ class Communicator:
     # ------------------------------------------------------------------ guard, errors, async
     def _enter(self, what: str) -> None:
         if self._guard.acquire(False):
-            self._busy_thread = threading.get_ident()
-            self._busy_name = threading.current_thread().name
+            self._busy_thread = _get_ident()
             self._depth, self.busy_with = 1, what
             return
-        if self._busy_thread == threading.get_ident():
+        if self._busy_thread == _get_ident():
             self._depth += 1          # a call made by a call (object collectives, split)
             return
+        busy = next((t.name for t in threading.enumerate() if t.ident == self._busy_thread),
+                    str(self._busy_thread))          # named only on this error path
         raise CommError(
             f"{what} called on thread {threading.current_thread().name!r} while this "
-            f"communicator is in {self.busy_with} on thread {self._busy_name!r}: a communicator "
+            f"communicator is in {self.busy_with} on thread {busy!r}: a communicator "
             f"is used by one thread at a time (like MPI_THREAD_SERIALIZED); give each thread its "
             f"own communicator with split(), or overlap with async_op=True")
 
