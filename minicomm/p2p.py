@@ -28,7 +28,6 @@ Cost: one header message (256 B) per send, so α twice; the payload moves once.
 """
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from typing import Dict, List, Optional, Tuple
@@ -36,6 +35,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .errors import CommError, CommTimeout, PeerFailure, pack_call
+from .transports.progress import byte_setting
 
 ANY_SOURCE = -1
 ANY_TAG = -1
@@ -66,16 +66,7 @@ class Status:
 
 
 def _buffer_limit() -> int:
-    raw = os.environ.get("MINICOMM_P2P_BUFFER_BYTES")
-    if raw is None:
-        return DEFAULT_BUFFER_BYTES
-    try:
-        v = int(raw)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise ValueError(f"MINICOMM_P2P_BUFFER_BYTES={raw!r}: expected a byte count >= 0")
-    return v
+    return byte_setting("MINICOMM_P2P_BUFFER_BYTES", DEFAULT_BUFFER_BYTES)
 
 
 def encode_header(tag: int, arr: np.ndarray) -> np.ndarray:

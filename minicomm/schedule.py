@@ -212,3 +212,19 @@ class ScheduleKey:
     count: int
     root: int
     topology: Optional[Topology] = None
+
+
+def busbw_factor(collective: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factors: busbw = algbw x factor (the bytes a link-bound ring
+    would move per byte of the call; used by ``minicomm bench`` and ``minicomm sim``)."""
+    if n <= 0:
+        raise ValueError("world size must be positive")
+    if collective == "allreduce":
+        return 2.0 * (n - 1) / n
+    if collective in ("reduce_scatter", "allgather", "alltoall", "gather", "scatter"):
+        return (n - 1) / n
+    if collective in ("broadcast", "reduce"):
+        return 1.0
+    if collective == "barrier":
+        return 0.0
+    raise ValueError(f"unknown collective {collective!r}")

@@ -41,7 +41,8 @@ from .base import ReduceFn, Request, Tag, Transport, check_tag
 
 CLEAN_CLOSE = "it closed its transport"
 # Bytes of out-of-the-way messages one link may hold (see Inbox.match_header).
-def _byte_setting(name: str, default: int) -> int:
+def byte_setting(name: str, default: int) -> int:
+    """A byte-count setting from the environment; a bad value is a ValueError naming it."""
     raw = os.environ.get(name)
     if raw is None:
         return default
@@ -54,7 +55,7 @@ def _byte_setting(name: str, default: int) -> int:
     return v
 
 
-UNEXPECTED_LIMIT = _byte_setting("MINICOMM_UNEXPECTED_BYTES", 256 << 20)   # a peer's orderly goodbye, not a crash
+UNEXPECTED_LIMIT = byte_setting("MINICOMM_UNEXPECTED_BYTES", 256 << 20)   # a peer's orderly goodbye, not a crash
 EDGE = select.EPOLLIN | select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
 SPIN_S = 50e-6                        # spin about one blocking wake-up's cost, then sleep
 HOT_SPIN_S = 4e-6                     # poll without yielding first: the peer is usually running

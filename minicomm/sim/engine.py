@@ -49,7 +49,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..algorithms import family
-from ..schedule import COLLECTIVES, Copy, Recv, Reduce, Schedule, Send
+from ..schedule import COLLECTIVES, Copy, Recv, Reduce, Schedule, Send, busbw_factor
 from .topology import Fabric, Topology, default_placement
 
 SYMMETRY_MIN_RANKS = 32
@@ -62,21 +62,6 @@ BLOCKED = ("allgather", "gather", "reduce_scatter", "scatter", "alltoall")
 
 class ScheduleError(ValueError):
     """Schedules that cannot run: unmatched or mismatched messages, or a cycle of waits."""
-
-
-def busbw_factor(collective: str, n: int) -> float:
-    """nccl-tests' bus-bandwidth factors (the same as minicomm.tools.bench.busbw_factor)."""
-    if n <= 0:
-        raise ValueError("world size must be positive")
-    if collective == "allreduce":
-        return 2.0 * (n - 1) / n
-    if collective in ("reduce_scatter", "allgather", "alltoall", "gather", "scatter"):
-        return (n - 1) / n
-    if collective in ("broadcast", "reduce"):
-        return 1.0
-    if collective == "barrier":
-        return 0.0
-    raise ValueError(f"unknown collective {collective!r}")
 
 
 def count_for_bytes(collective: str, nbytes: int, p: int, itemsize: int = 4) -> int:

@@ -15,6 +15,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from ..algorithms import FAMILIES
+from ..schedule import busbw_factor  # noqa: F401  (re-exported: bench and its tests use it)
 
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "allgather", "gather", "scatter",
                "reduce_scatter", "alltoall", "barrier")
@@ -33,21 +34,6 @@ PERIOD = 251          # inputs repeat with this (prime) period: expected values 
 
 class BenchError(Exception):
     """A benchmark that cannot run as asked (bad option, missing peer, failed launch)."""
-
-
-def busbw_factor(collective: str, n: int) -> float:
-    """nccl-tests' bus-bandwidth factors: busbw = algbw x factor."""
-    if n <= 0:
-        raise ValueError("world size must be positive")
-    if collective == "allreduce":
-        return 2.0 * (n - 1) / n
-    if collective in ("reduce_scatter", "allgather", "alltoall", "gather", "scatter"):
-        return (n - 1) / n
-    if collective in ("broadcast", "reduce"):
-        return 1.0
-    if collective == "barrier":
-        return 0.0
-    raise ValueError(f"unknown collective {collective!r}")
 
 
 def parse_size(text: str) -> int:
