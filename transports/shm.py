@@ -35,7 +35,6 @@ SIGKILLed rank left (the launcher calls it).
 """
 from __future__ import annotations
 
-import atexit
 import glob
 import mmap
 import os
@@ -50,6 +49,7 @@ import numpy as np
 
 from minicomm.errors import CommError, CommTimeout
 from minicomm.rendezvous import accept_peers, dial_peer
+from . import segment
 from .base import ReduceFn, Request, Tag
 from .progress import CLEAN_CLOSE, Inbox, LinkEngine, Progress, Req, deliver, fence
 
@@ -75,21 +75,9 @@ _ABORTED = "it aborted: "
 _BYE = b"\x02"                        # an orderly close: then EOF
 _JOB_ID = re.compile(r"[A-Za-z0-9_.-]+")
 
-_linked: set = set()                  # segments this process created and has not yet unlinked
-
-
-def _unlink(path: str) -> None:
-    _linked.discard(path)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-@atexit.register
-def _unlink_at_exit() -> None:
-    for path in list(_linked):
-        _unlink(path)
+# One registry of the segments this process created and has not unlinked (segment.py's, shared
+# with the rdma / ub arenas and the windows), emptied at exit and when a rank's parent dies.
+_linked, _unlink, _unlink_at_exit = segment._linked, segment.unlink, segment._unlink_at_exit
 
 
 def segment_path(job_id: str, rank: int) -> str:
