@@ -8,6 +8,7 @@ The only change from the NCCL/gloo version is ``import minicomm.torch`` and
 ``backend="minicomm"``.
 """
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,9 @@ def run(rank: int, world_size: int) -> None:
     dist.init_process_group(backend="minicomm", rank=rank, world_size=world_size)
     tensor = torch.tensor([rank + 1.0])
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    print(f"rank {rank}: all_reduce of rank + 1 = {tensor.item()}", flush=True)
+    # one write per line: the four processes share one stdout
+    sys.stdout.write(f"rank {rank}: all_reduce of rank + 1 = {tensor.item()}\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 
