@@ -16,25 +16,7 @@ from collective_check import matrix
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def job_segments(job_id):
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"minicomm-{job_id}"))
-
-
-def my_worker_processes():
-    """Rank processes that are children of this test process (other jobs may run alongside)."""
-    out = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "minicomm.launch.worker"],
-                         capture_output=True, text=True)
-    return [int(x) for x in out.stdout.split()]
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_behind():
-    from minicomm.launch import local as launch
-    launch.last_job_id = None
-    yield
-    if launch.last_job_id:
-        assert job_segments(launch.last_job_id) == [], "a /dev/shm segment leaked"
-    assert my_worker_processes() == [], "a rank process was left running"
+from leaks import job_segments, my_worker_processes, nothing_left_behind  # noqa: F401
 
 
 def _all_algorithms(comm):

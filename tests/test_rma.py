@@ -27,24 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE_SIDED = [("shm", 1), ("rdma", 1), ("rdma", 2), ("ub", 1), ("ub", 2)]
 
 
-def _job_segments(job_id):
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"minicomm-{job_id}"))
-
-
-def _my_workers():
-    out = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "minicomm.launch.worker"],
-                         capture_output=True, text=True)
-    return [int(x) for x in out.stdout.split()]
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_behind():
-    from minicomm.launch import local as launch
-    launch.last_job_id = None
-    yield
-    if launch.last_job_id:
-        assert _job_segments(launch.last_job_id) == [], "a /dev/shm segment leaked"
-    assert _my_workers() == [], "a rank process was left running"
+from leaks import job_segments, my_worker_processes, nothing_left_behind  # noqa: F401
 
 
 def _closed_cleanly(comm):
