@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import itertools
 import numbers
-import os
 import queue
 import sys
 import threading
@@ -26,16 +25,18 @@ import cloudpickle
 import numpy as np
 
 from . import ops as _ops
+from . import settings
 from .algorithms import FAMILIES, build_schedule
 from .cost import LinkModel, choose, parse_algo_env
 from .errors import CommError, CommTimeout, MismatchError, PeerFailure, describe_call, pack_call
 from .executor import Plan, run_plan
 from .p2p import ANY_SOURCE, ANY_TAG, MAX_TAG, P2PEngine, Status
 from .schedule import ROOTED
+from .settings import env_debug, env_timeout, timeout_arg
 from .transports.base import ABORT_CALL, ABORT_KINDS, Tag
 from .window import Window
 
-DEFAULT_TIMEOUT = 300.0
+DEFAULT_TIMEOUT = settings.DEFAULT_TIMEOUT
 _new_tag = tuple.__new__               # Tag(...) without the namedtuple's Python-level __new__
 _get_ident = threading.get_ident
 
@@ -131,9 +132,8 @@ class Communicator:
         remap: Dict[int, int] = {}
         self.topology = tuple(remap.setdefault(t, len(remap)) for t in topo)
         self.comm_id = comm_id
-        env_timeout = os.environ.get("MINICOMM_TIMEOUT")
-        self.timeout = float(timeout if timeout is not None else env_timeout or DEFAULT_TIMEOUT)
-        debug = os.environ.get("MINICOMM_DEBUG", "").lower()
+        self.timeout = timeout_arg("timeout", timeout) or env_timeout()
+        debug = env_debug()
         self.debug_info = debug in ("info", "detail")
         # "header": tags checked on every message, plus a fingerprint exchange before rooted
         # collectives; "full" (MINICOMM_DEBUG=detail): a fingerprint exchange before every call.
@@ -742,6 +742,7 @@ class Communicator:
         """Receive one message from ``src`` (or ``ANY_SOURCE``) with ``tag`` (or ``ANY_TAG``);
         shape and dtype come from the message. ``out=`` is checked before anything is consumed.
         ``timeout`` (seconds, default the communicator's) cancels only this receive."""
+        timeout = timeout_arg("recv: timeout", timeout)     # checked before anything is consumed
         work, r = self._irecv(src, tag, out)
         if not work.is_completed():
             try:

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 from .algorithms import FAMILIES
+from .schedule import COLLECTIVES
 from .sim import engine
 from .sim.engine import HostLink, HostModel
 
@@ -310,12 +311,30 @@ def table_index(entries: Sequence[Dict[str, Any]]) -> Dict[TableKey, Tuple[Tuple
 
 
 def parse_algo_env(value: Optional[str] = None) -> Dict[str, str]:
-    """MINICOMM_ALGO='allreduce:ring,broadcast:tree' -> {'allreduce': 'ring', ...}."""
+    """MINICOMM_ALGO='allreduce:ring,broadcast:tree' -> {'allreduce': 'ring', ...}.
+
+    ``collective:auto`` means what it says (the cost model chooses; the entry is dropped). A
+    malformed entry, an unknown collective or an unknown algorithm is a ValueError naming
+    MINICOMM_ALGO, the entry and the valid choices: a typo must not silently mean auto."""
     value = os.environ.get("MINICOMM_ALGO", "") if value is None else value
+    colls = list(COLLECTIVES)
+    fams = list(FAMILIES) + ["auto"]
+    usage = (f"entries are 'collective:algorithm' separated by commas; collectives: "
+             f"{', '.join(colls)}; algorithms: {', '.join(fams)}")
     out = {}
     for item in filter(None, (x.strip() for x in value.split(","))):
-        coll, _, fam = item.partition(":")
-        if not fam:
-            raise ValueError(f"MINICOMM_ALGO entry {item!r} is not 'collective:algorithm'")
-        out[coll.strip()] = fam.strip()
+        coll, sep, fam = (x.strip() for x in item.partition(":"))
+        if not sep or not coll or not fam:
+            raise ValueError(f"MINICOMM_ALGO={value!r}: entry {item!r} is not "
+                             f"'collective:algorithm'; {usage}")
+        if coll not in colls:
+            raise ValueError(f"MINICOMM_ALGO={value!r}: unknown collective {coll!r} in entry "
+                             f"{item!r}; {usage}")
+        if fam not in fams:
+            raise ValueError(f"MINICOMM_ALGO={value!r}: unknown algorithm {fam!r} in entry "
+                             f"{item!r}; {usage}")
+        if fam == "auto":
+            out.pop(coll, None)
+        else:
+            out[coll] = fam
     return out

@@ -35,7 +35,6 @@ one credit write back; beta = one copy in, one copy (or reduce) out, as the shm 
 """
 from __future__ import annotations
 
-import os
 import struct
 import time
 from collections import deque
@@ -44,6 +43,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from minicomm.errors import CommError, CommTimeout, PeerFailure
+from minicomm.settings import byte_setting
 from .base import ReduceFn, Request, Tag
 from .nic import (
     LOCAL_WRITE,
@@ -55,7 +55,8 @@ from .nic import (
 )
 from .progress import Inbox, LinkEngine, Progress, Req, deliver
 
-RING = int(os.environ.get("MINICOMM_LANDING_BYTES", 4 << 20))
+# a chunk is RING // 4 (at least 1 KiB, 64-byte aligned): a smaller ring could move nothing
+RING = byte_setting("MINICOMM_LANDING_BYTES", 4 << 20, minimum=4096, multiple=4096)
 CHUNK = min(1 << 20, RING // 4)
 RECORDS = 64                          # records in flight per pair: bounds events and receives
 HDR = 64

@@ -46,6 +46,7 @@ import numpy as np
 
 from minicomm.errors import CommError, CommTimeout
 from minicomm.rendezvous import accept_peers, dial_peer
+from minicomm.settings import byte_setting, env_flag
 from . import nicagent
 from .progress import fence
 from .segment import (
@@ -96,7 +97,7 @@ _SLEEPING = 8                         # int64 index in the header: the owner may
 _RANKS_AT = 64                        # int64 index: ranks of the producers of our rings
 _WAKE, _ABORT, _BYE = b"\x01", b"\x00", b"\x02"
 _NOWAIT = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
-_ARENA_BYTES = int(os.environ.get("MINICOMM_NIC_ARENA_BYTES", 1 << 30))
+_ARENA_BYTES = byte_setting("MINICOMM_NIC_ARENA_BYTES", 1 << 30, minimum=1 << 20)
 
 
 class LinkParams(NamedTuple):
@@ -110,7 +111,7 @@ class LinkParams(NamedTuple):
 
 
 def _emulate_enabled() -> bool:
-    return os.environ.get("MINICOMM_EMULATE_LINK", "") not in ("", "0")
+    return env_flag("MINICOMM_EMULATE_LINK", False)
 
 
 def _wrap(x: int) -> int:

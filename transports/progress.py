@@ -37,24 +37,11 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from minicomm.errors import CommError, CommTimeout, PeerFailure, describe_call
+from minicomm.settings import byte_setting
 from .base import ReduceFn, Request, Tag, Transport, check_tag
 
 CLEAN_CLOSE = "it closed its transport"
 # Bytes of out-of-the-way messages one link may hold (see Inbox.match_header).
-def byte_setting(name: str, default: int) -> int:
-    """A byte-count setting from the environment; a bad value is a ValueError naming it."""
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        v = int(raw)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise ValueError(f"{name}={raw!r}: expected a byte count >= 0")
-    return v
-
-
 UNEXPECTED_LIMIT = byte_setting("MINICOMM_UNEXPECTED_BYTES", 256 << 20)   # a peer's orderly goodbye, not a crash
 EDGE = select.EPOLLIN | select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
 SPIN_S = 50e-6                        # spin about one blocking wake-up's cost, then sleep

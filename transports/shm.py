@@ -49,6 +49,7 @@ import numpy as np
 
 from minicomm.errors import CommError, CommTimeout
 from minicomm.rendezvous import accept_peers, dial_peer
+from minicomm.settings import byte_setting
 from . import segment
 from .base import ReduceFn, Request, Tag
 from .progress import CLEAN_CLOSE, Inbox, LinkEngine, Progress, Req, deliver, fence
@@ -99,11 +100,8 @@ def sweep_job_segments(job_id: str) -> List[str]:
 
 
 def _default_ring_bytes(npeers: int) -> int:
-    env = os.environ.get("MINICOMM_SHM_RING_BYTES")
-    if env:
-        ring = int(env)
-        if ring % PAGE or ring < 16 * PAGE:
-            raise ValueError("MINICOMM_SHM_RING_BYTES must be a multiple of 4096, at least 64 KiB")
+    ring = byte_setting("MINICOMM_SHM_RING_BYTES", 0, minimum=16 * PAGE, multiple=PAGE)
+    if ring:
         return ring
     # 4 MiB per ring keeps 4 chunks in flight; with many peers, cap a rank's inbound memory at
     # 64 MiB (the rings are reserved up front: a full /dev/shm must fail here, not SIGBUS later).

@@ -73,7 +73,8 @@ from typing import Dict, List, Mapping, Optional, Tuple
 from ..communicator import Communicator
 from ..errors import CommError, CommTimeout
 from ..rendezvous import StoreServer, new_token
-from .world import connect_world
+from ..settings import env_choice, env_seconds, env_timeout, timeout_arg
+from .world import TRANSPORTS, connect_world
 
 FOREIGN_SETUP_TIMEOUT = 30.0      # seconds, under launchers other than minicomm's own
 SLURM_PORT_BASE = 15000           # PyTorch Lightning: 15000 + last 4 digits of SLURM_JOB_ID
@@ -82,6 +83,11 @@ OMPI_PORT_BASE, OMPI_PORT_SPAN = 25000, 4000     # 25000..28999, below torch's 2
 
 class BootstrapError(CommError):
     """``mc.init()`` cannot build the world from this process's environment."""
+
+
+class BadSettingError(BootstrapError, ValueError):
+    """A MINICOMM_* setting (or an argument of ``mc.init``) that ``mc.init()`` cannot use; the
+    message names it and what is allowed. A ValueError too, like every bad setting."""
 
 
 @dataclass
@@ -697,17 +703,19 @@ def _bootstrap_torch(launch: Launch, timeout: float) -> Optional[StoreServer]:
 
 def setup_timeout_for(launch: Launch, timeout: Optional[float],
                       setup_timeout: Optional[float], env: Mapping[str, str]) -> float:
-    if setup_timeout is not None:
-        return float(setup_timeout)
-    value = env.get("MINICOMM_SETUP_TIMEOUT")
-    if value:
-        try:
-            return float(value)
-        except ValueError:
-            raise BootstrapError(f"MINICOMM_SETUP_TIMEOUT={value!r} is not a number") from None
+    try:
+        if setup_timeout is not None:
+            return timeout_arg("setup_timeout", setup_timeout)
+        value = env_seconds("MINICOMM_SETUP_TIMEOUT", None, env)
+        if value is not None:
+            return value
+        timeout = timeout_arg("timeout", timeout)
+        env_value = env_timeout(env)     # checked even when not used: a bad value is named early
+    except (TypeError, ValueError) as e:
+        raise BadSettingError(f"mc.init(): {e}") from None
     if launch.foreign:
         return FOREIGN_SETUP_TIMEOUT
-    return float(timeout if timeout is not None else env.get("MINICOMM_TIMEOUT") or 300.0)
+    return timeout if timeout is not None else env_value
 
 
 def init(transport: Optional[str] = None, timeout: Optional[float] = None,
@@ -718,6 +726,9 @@ def init(transport: Optional[str] = None, timeout: Optional[float] = None,
     ``timeout``: the communicator's default per-call timeout. ``setup_timeout``: the bound on
     rendezvous (default ``MINICOMM_SETUP_TIMEOUT``, else 30 s under foreign launchers)."""
     env = dict(os.environ)
+    transport = transport or env_choice("MINICOMM_TRANSPORT", "auto", TRANSPORTS, env)
+    if transport not in TRANSPORTS:
+        raise ValueError(f"mc.init(): transport={transport!r}: choose one of {', '.join(TRANSPORTS)}")
     launch = detect(env)
     if launch.rank == 0:          # once per job, not once per rank
         for note in launch.notes:
@@ -742,7 +753,7 @@ def init(transport: Optional[str] = None, timeout: Optional[float] = None,
                    host_store=launch.host_store and server is None, store_server=server,
                    store_bind=launch.bind, identity=launch.identity,
                    job_id=launch.job_id or _job_id(launch, token),
-                   transport=transport or env.get("MINICOMM_TRANSPORT", "auto"),
+                   transport=transport,
                    timeout=timeout, setup_timeout=setup, describe=launch.describe(),
                    port_from=launch.port_from)
     except CommError as e:

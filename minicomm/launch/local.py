@@ -30,9 +30,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import cloudpickle
 
 from ..communicator import Communicator
-from ..cost import LinkModel
+from ..cost import LinkModel, parse_algo_env
 from ..errors import CommError, PeerFailure, SpawnError
 from ..rendezvous import StoreServer
+from ..settings import env_debug, env_timeout, timeout_arg
 from .world import TRANSPORTS, node_map
 
 FAILURE_GRACE = 5.0     # seconds the surviving ranks get to notice a failure by themselves
@@ -48,6 +49,12 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), transport: str = "
         raise ValueError(f"transport {transport!r}: choose one of {', '.join(TRANSPORTS)}")
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
+    timeout = timeout_arg("spawn: timeout", timeout)
+    # the settings every rank reads, checked once here: a bad one is this ValueError, named,
+    # instead of the same error from every rank
+    env_timeout()
+    env_debug()
+    parse_algo_env()
     topology = node_map(world_size, nodes)
     if transport == "inproc":
         return _spawn_threads(fn, world_size, tuple(args), topology, timeout)
@@ -227,6 +234,7 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
     """``minicomm run -n N script.py args`` on this box: start N ranks, prefix their output with
     ``[rank]``, end them all when one fails or on Ctrl-C/SIGTERM; return the exit status."""
     out = out or sys.stdout.buffer
+    timeout = timeout_arg("--timeout", timeout)
     topology = node_map(nprocs, nodes)
     job_id = secrets.token_hex(6)
     token = secrets.token_bytes(32)

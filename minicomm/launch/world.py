@@ -22,6 +22,7 @@ from ..communicator import Communicator
 from ..cost import LinkModel
 from ..errors import CommError, CommTimeout
 from ..rendezvous import AuthError, RendezvousError, StoreClient, StoreServer, rank_ranges
+from ..settings import env_timeout, timeout_arg
 from ..transports import connect
 from ..transports.progress import SPIN_S
 
@@ -73,10 +74,9 @@ def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
     ``master_port``, ``host_store`` and ``store_server`` are not used."""
     rank, size = cfg["rank"], cfg["size"]
     token = bytes.fromhex(cfg["token"])
-    timeout = cfg.get("timeout")
-    env_timeout = os.environ.get("MINICOMM_TIMEOUT")
-    setup_timeout = float(cfg.get("setup_timeout") or
-                          (timeout if timeout is not None else env_timeout or 300.0))
+    timeout = timeout_arg("timeout", cfg.get("timeout"))
+    setup_timeout = (timeout_arg("setup_timeout", cfg.get("setup_timeout")) or timeout
+                     or env_timeout())
     deadline = time.monotonic() + setup_timeout
     kind = cfg["transport"]
     if kind not in TRANSPORTS or kind == "inproc":

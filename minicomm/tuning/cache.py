@@ -76,26 +76,41 @@ def load_links(path: Optional[str] = None) -> Dict[str, Any]:
     if obj is None:
         return {"links": {}}
     try:
-        links = {str(k): {f: _nonnegative(v[f]) for f in _LINK_FIELDS}
-                 for k, v in dict(obj.get("links", {})).items()}
+        raw_links = obj.get("links", {})
+        if not isinstance(raw_links, dict):
+            raise ValueError(f"links: expected an object, got {raw_links!r}")
+        links = {}
+        for k, v in raw_links.items():
+            if not isinstance(v, dict):
+                raise ValueError(f"links.{k}: expected an object, got {v!r}")
+            links[str(k)] = {f: _field(f"links.{k}.{f}", v.get(f), _POSITIVE[f])
+                             for f in _LINK_FIELDS}
         out: Dict[str, Any] = {"links": links}
         for k in _MACHINE_FIELDS:
             if k in obj:
-                out[k] = _nonnegative(obj[k])
+                out[k] = _field(k, obj[k], _POSITIVE[k])
         return out
-    except (KeyError, TypeError, ValueError) as e:
-        warnings.warn(f"minicomm: ignoring corrupt link cache {path}: {e!r}", stacklevel=2)
+    except ValueError as e:
+        # ignored, so the link is measured again: a bad value must not fail every job
+        warnings.warn(f"minicomm: ignoring corrupt link cache {path} (it is measured again): {e}",
+                      stacklevel=2)
         return {"links": {}}
 
 
 _LINK_FIELDS = ("alpha", "beta", "overhead")
 _MACHINE_FIELDS = ("gamma", "delta", "wake", "contention")
+# per-byte costs divide (bandwidth = 1 / beta): they must be > 0; latencies may be 0
+_POSITIVE = {"alpha": False, "beta": True, "overhead": False, "gamma": True, "delta": True,
+             "wake": False, "contention": False}
 
 
-def _nonnegative(v: Any) -> float:
+def _field(name: str, v: Any, positive: bool) -> float:
+    rule = "a finite number > 0 (seconds per byte)" if positive else "a finite number >= 0"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"field {name} = {v!r}: expected {rule}")
     x = float(v)
-    if not (x >= 0 and math.isfinite(x)):
-        raise ValueError(f"{v!r} is not a non-negative number")
+    if not (math.isfinite(x) and (x > 0 if positive else x >= 0)):
+        raise ValueError(f"field {name} = {v!r}: expected {rule}")
     return x
 
 

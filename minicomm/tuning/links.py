@@ -19,6 +19,7 @@ import numpy as np
 
 from ..communicator import Communicator
 from ..cost import DELTA, LinkModel, schedule_time, table_index
+from ..settings import env_flag
 from .cache import _LINK_FIELDS, _MACHINE_FIELDS, load_links, load_table, save_links
 
 PROBE_BYTES = 1 << 20      # for β: one shm record, so a one-way hop is not pipelined
@@ -141,7 +142,7 @@ def measure_local() -> Tuple[float, float]:
 
 
 def _tune_enabled() -> bool:
-    return os.environ.get("MINICOMM_TUNE", "1").strip().lower() not in ("0", "off", "false", "no")
+    return env_flag("MINICOMM_TUNE", True)
 
 
 _AGREED = ("alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma", "delta",
