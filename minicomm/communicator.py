@@ -28,7 +28,15 @@ from . import ops as _ops
 from . import settings
 from .algorithms import FAMILIES, build_schedule
 from .cost import LinkModel, choose, parse_algo_env
-from .errors import CommError, CommTimeout, MismatchError, PeerFailure, describe_call, pack_call
+from .errors import (
+    CommError,
+    CommTimeout,
+    MismatchError,
+    PeerFailure,
+    describe_call,
+    fingerprint_call,
+    pack_call,
+)
 from .executor import Plan, run_plan
 from .p2p import ANY_SOURCE, ANY_TAG, MAX_TAG, P2PEngine, Status
 from .schedule import ROOTED
@@ -37,6 +45,7 @@ from .transports.base import ABORT_CALL, ABORT_KINDS, Tag
 from .window import Window
 
 DEFAULT_TIMEOUT = settings.DEFAULT_TIMEOUT
+_SCATTER_META = "scatter:meta"     # scatter's shape/dtype broadcast (errors.COLLECTIVE_CODES)
 _new_tag = tuple.__new__               # Tag(...) without the namedtuple's Python-level __new__
 _get_ident = threading.get_ident
 
@@ -315,7 +324,8 @@ class Communicator:
         seq = self._next_seq()
         everyone = np.empty(3 * self.size, dtype=np.int64)
         plan = self._plan("allgather", "rhd", 3, 0)
-        tag = Tag(self._ctx, seq, 0, pack_call("fingerprint", "none", "none", np.int64, -1), 3)
+        # the tag names the checked call: a rank in another call finds out from the header
+        tag = Tag(self._ctx, seq, 0, fingerprint_call(call), 3)
         bufs = (mine, everyone, self._tmp(np.dtype(np.int64), plan.tmp_count))
         run_plan(plan, self.transport, bufs, _ops.get_kernel("sum"), tag, self._deadline(),
                  f"fingerprint check of call #{seq + 1}")
@@ -340,13 +350,15 @@ class Communicator:
         key = (coll, op, algorithm, dtype, count, root)
         c = self._calls.get(key)
         if c is None:
-            algo = self._resolve_algorithm(coll, algorithm, count * dtype.itemsize)
+            # scatter's shape/dtype broadcast runs as a broadcast but says it is scatter's
+            run_as = "broadcast" if coll == _SCATTER_META else coll
+            algo = self._resolve_algorithm(run_as, algorithm, count * dtype.itemsize)
             c = _Call(
-                coll=coll, algo=algo,
-                call=pack_call(coll, op, algo, dtype, root if coll in ROOTED else -1),
-                plan=self._plan(coll, algo, count, root),
+                coll=run_as, algo=algo,
+                call=pack_call(coll, op, algo, dtype, root if run_as in ROOTED else -1),
+                plan=self._plan(run_as, algo, count, root),
                 kernel=_ops.get_kernel(op) if op != "none" else None,
-                rooted=coll in ROOTED,
+                rooted=run_as in ROOTED,
                 # what wait_all names in errors (they add the step and the call's number)
                 label=f"{coll} ({algo})", requested=algorithm not in (None, "auto"))
             if len(self._calls) > 1024:
@@ -604,7 +616,8 @@ class Communicator:
 
         def run():
             m = np.empty(_META_WORDS, dtype=np.int64)
-            self._execute("broadcast", meta, m, _META_WORDS, "none", root, "tree", (_META_WORDS,))
+            self._execute(_SCATTER_META, meta, m, _META_WORDS, "none", root, "tree",
+                          (_META_WORDS,))
             dtype, block = _decode_meta(m)
             res, outflat = self._make_out(out, block, dtype, "scatter")
             count = outflat.size

@@ -39,7 +39,10 @@ class SpawnError(CommError):
 
 # ---- packed call signature: what a message tag says about the call it belongs to ----
 COLLECTIVE_CODES = ("p2p", "broadcast", "reduce", "allreduce", "allgather", "reduce_scatter",
-                    "gather", "scatter", "alltoall", "barrier", "fingerprint")
+                    "gather", "scatter", "alltoall", "barrier", "fingerprint", "scatter:meta")
+# "fingerprint": the argument check before a rooted call (or every call, MINICOMM_DEBUG=detail);
+# its tag carries the checked call's collective in the algorithm bits (see fingerprint_call), so a
+# rank in another call names it. "scatter:meta": scatter's shape/dtype broadcast.
 OP_CODES = ("none", "sum", "prod", "min", "max", "avg", "band", "bor", "bxor")
 ALGO_CODES = ("none", "ring", "tree", "rhd", "hier")
 
@@ -51,8 +54,29 @@ def pack_call(collective: str, op: str, algorithm: str, dtype, root: int) -> int
             | ALGO_CODES.index(algorithm) << 9 | dnum << 13 | (root + 1) << 21)
 
 
+_FINGERPRINT = COLLECTIVE_CODES.index("fingerprint")
+
+
+class _Sig:
+    __slots__ = ("call", "count")
+
+    def __init__(self, call: int, count: int):
+        self.call, self.count = call, count
+
+
+def fingerprint_call(call: int) -> int:
+    """The packed call of the fingerprint exchange that checks ``call``: collective
+    "fingerprint", the checked collective in the algorithm bits (the algorithm is compared in the
+    payload), op, dtype and root as in ``call``. Ranks making different calls disagree already
+    in the header of the first fingerprint message, which names both calls."""
+    return (call & ~(31 | 15 << 9)) | _FINGERPRINT | (call & 31) << 9
+
+
 def describe_call(tag) -> str:
     c = tag.call
+    if (c & 31) == _FINGERPRINT and (c >> 9) & 15:
+        inner = describe_call(_Sig(c & ~(31 | 15 << 9) | (c >> 9) & 15, -1))
+        return f"{inner.replace(' count=-1', '')} (its argument check)"
     coll = COLLECTIVE_CODES[c & 31] if (c & 31) < len(COLLECTIVE_CODES) else "?"
     op = OP_CODES[(c >> 5) & 15] if ((c >> 5) & 15) < len(OP_CODES) else "?"
     algo = ALGO_CODES[(c >> 9) & 15] if ((c >> 9) & 15) < len(ALGO_CODES) else "?"
@@ -62,6 +86,8 @@ def describe_call(tag) -> str:
     root = (c >> 21) - 1
     if coll == "p2p":
         return f"send/recv with tag {root} of {tag.count} bytes"
+    if coll == "scatter:meta":
+        return f"scatter root={root} (its shape/dtype broadcast)"
     parts = [coll]
     if op != "none":
         parts.append(f"op={op}")

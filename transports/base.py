@@ -142,3 +142,22 @@ def check_tag(peer: int, expected: Tag, got: Tag, exp_nbytes: int, got_nbytes: i
     raise MismatchError(
         f"message from rank {peer} (its step {got.step}) for call #{expected.seq} has {got_nbytes} "
         f"bytes, step {expected.step} here expects {exp_nbytes} bytes ({describe_call(expected)})")
+
+
+def check_foreign(peer: int, expected: Tag, got: Tag) -> None:
+    """Called while a collective waits, for the first unclaimed message of its context from each
+    peer (not only the peers it waits on). Raise when that message proves the call cannot
+    complete: an abort notice (the peer broke this communicator), or a message of this same call
+    (same sequence number) with another signature (the peer made a different call). Anything
+    else (a peer already in a later call, point-to-point traffic) is left alone. This is what
+    makes detection independent of the algorithm: the ranks that disagree need not be the ones
+    that exchange the first message, and a rank blocked on a third rank still learns of it."""
+    if got.comm != expected.comm or not (expected.call & 31):     # p2p: any tag may be queued
+        return
+    if got.call == ABORT_CALL:
+        # a notice carries the call the peer broke in (``count``): one that broke in a later
+        # call has done its part of this one, which may still complete
+        if got.count <= expected.seq:
+            check_tag(peer, expected, got, 0, 0)
+    elif got.seq == expected.seq and (got.call != expected.call or got.count != expected.count):
+        check_tag(peer, expected, got, 0, 0)

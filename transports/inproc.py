@@ -20,7 +20,7 @@ from typing import List, Optional
 import numpy as np
 
 from minicomm.errors import CommTimeout, MismatchError, PeerFailure
-from .base import ReduceFn, Request, Tag, Transport, check_tag
+from .base import ReduceFn, Request, Tag, Transport, check_foreign, check_tag
 
 
 class Fabric:
@@ -96,6 +96,8 @@ class InprocTransport(Transport):
                 for req in requests:
                     if not req.done:
                         self._check(req, what)
+                if not pending.is_send:
+                    self._foreign(pending.tag)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise CommTimeout(f"{what}: rank {self.rank} timed out at step "
@@ -123,6 +125,15 @@ class InprocTransport(Transport):
             head.done = True
             if head is req:
                 return
+
+    def _foreign(self, tag: Tag) -> None:
+        """Under the fabric's lock: the first unclaimed message of ``tag``'s context from each
+        peer, checked against the call we wait in (base.check_foreign)."""
+        queues = self.fabric.queues
+        for p in range(self.size):
+            q = queues.get((p, self.rank, tag.comm))
+            if q:
+                check_foreign(p, tag, q[0][0])
 
     def _check(self, req: Request, what: str) -> None:
         err = self._cancelled.get(req.tag.comm)

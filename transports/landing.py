@@ -389,6 +389,20 @@ class LandingEngine(LinkEngine):
     def _link(self, peer: int):
         return self._by_peer[peer]
 
+    def _peek(self, link: _Link):
+        if link.closed is not None or getattr(link, "landing", None) is None:
+            return None
+        mm = self.device.arena.mm
+        tail, n = link.tail, link.consumed
+        while n < link.arrived:
+            pos = tail % RING
+            comm, seq, step, call, count, total, off, c = _HDR.unpack_from(mm, link.mm_off + pos)
+            if c >= 0:
+                return comm, seq, step, call, count
+            tail += RING - pos                  # wrap marker
+            n += 1
+        return None
+
     def _links(self):
         return self._by_peer.values()
 

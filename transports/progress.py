@@ -38,7 +38,7 @@ import numpy as np
 
 from minicomm.errors import CommError, CommTimeout, PeerFailure, describe_call
 from minicomm.settings import byte_setting
-from .base import ReduceFn, Request, Tag, Transport, check_tag
+from .base import ReduceFn, Request, Tag, Transport, check_foreign, check_tag
 
 CLEAN_CLOSE = "it closed its transport"
 # Bytes of out-of-the-way messages one link may hold (see Inbox.match_header).
@@ -345,6 +345,12 @@ class Progress:
                     if self.spin:
                         hot_until, spin_until = now + HOT_SPIN_S, now + SPIN_S
                     continue
+                if now >= spin_until:
+                    # about to block: a message from any peer may prove the call cannot complete
+                    for e in self.engines:
+                        check = getattr(e, "check_foreign", None)
+                        if check is not None:
+                            check(pending.tag)
                 if now < spin_until:
                     block = False
                 elif self._polling:
@@ -448,6 +454,29 @@ class LinkEngine(Transport):
             raise peer_failure(self, req, what, f"this rank aborted: {self._aborted}")
         if link.closed is not None:
             raise peer_failure(self, req, what, link.closed)
+
+    def check_foreign(self, tag: Tag) -> None:
+        """Before blocking in a collective (``tag``): the first unclaimed message of its context
+        from every peer, checked by base.check_foreign (an abort notice, or this call's sequence
+        number with another signature, raises MismatchError / PeerFailure naming the peer)."""
+        if not (tag[3] & 31):                   # p2p waits: other peers' traffic is normal
+            return
+        ctx = tag[0]
+        for link in self._links():
+            ib = link.inbox
+            q = ib.unexpected.get(ctx) if ib.unexpected else None
+            if q:
+                for u in q:                     # held already: a notice may sit behind data
+                    check_foreign(ib.peer, tag, u.tag)
+            if link.rx_cur is None:
+                head = self._peek(link)
+                if head is not None:
+                    check_foreign(ib.peer, tag, Tag(*head))
+
+    def _peek(self, link):
+        """The header (comm, seq, step, call, count) of the next message in ``link``'s inbound
+        stream, without consuming it; None when none is visible. Engines override it."""
+        return None
 
     def describe(self) -> str:
         return (f"rank {self.rank}: {self.name} to {self.peer_ranks}" if self.peer_ranks

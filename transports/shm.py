@@ -519,6 +519,19 @@ class ShmTransport(LinkEngine):
     def _link(self, peer: int):
         return self._peers[peer]
 
+    def _peek(self, p: _Peer):
+        if p.rx_mm is None or p.closed is not None:
+            return None
+        tail, head = p.rx_tail, p.rx_q[_HEAD]
+        size, data = p.rx_size, p.rx_data
+        while tail != head:
+            pos = tail % size
+            comm, seq, step, call, count, total, off, c = _HDR.unpack_from(p.rx_mm, data + pos)
+            if c >= 0:
+                return comm, seq, step, call, count
+            tail += size - pos                  # wrap marker
+        return None
+
     def _links(self):
         return self._peers.values()
 

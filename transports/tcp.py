@@ -320,6 +320,18 @@ class TcpTransport(LinkEngine):
     def _link(self, peer: int):
         return self._conns[peer]
 
+    def _peek(self, c: _Conn):
+        if c.closed is not None:
+            return None
+        if c.hi - c.lo < FRAME:
+            self._fill(c)                       # reads only into the staging buffer
+            if c.hi - c.lo < FRAME:
+                return None
+        comm, seq, step, call, count, total = _FRAME.unpack_from(c.rx, c.lo)
+        if comm in (ABORT_COMM, BYE_COMM):
+            return None
+        return comm, seq, step, call, count
+
     def _links(self):
         return self._conns.values()
 

@@ -1,0 +1,147 @@
+"""Mismatched collectives are detected the same way by every family (issue 14).
+
+One rank (the misbehaving one) makes a different call from the others: another collective,
+another root, dtype, count or op. Every rank must end in a named error (MismatchError, or a
+PeerFailure naming the abort of a peer that found the mismatch) — never the timeout — and at
+least one rank's MismatchError names both calls and the misbehaving rank (the misbehaving rank
+itself names the other side). Runs with the default ``check="header"`` (the fingerprint exchange
+of MINICOMM_DEBUG=detail is not what is tested here), on inproc threads for the whole matrix and
+on shm processes for a slice.
+"""
+import threading
+
+import numpy as np
+import pytest
+
+import minicomm as mc
+from leaks import nothing_left_behind  # noqa: F401
+from minicomm.communicator import Communicator
+from minicomm.cost import LinkModel
+from minicomm.transports.inproc import Fabric, InprocTransport
+
+FAMILIES = ("ring", "tree", "rhd", "hier")
+TIMEOUT = 20.0         # what a missed mismatch would cost; the check is on the error type
+
+
+def call(comm, spec):
+    """Run one collective described by ``spec``: (collective, kwargs, dtype, count)."""
+    coll, kw, dtype, count = spec
+    p = comm.size
+    algo = kw.get("algorithm")
+    root = kw.get("root", 0)
+    x = np.ones(count, dtype=dtype)
+    if coll == "barrier":
+        return comm.barrier(algorithm=algo)
+    if coll in ("scatter", "reduce_scatter", "alltoall"):
+        x = np.ones((p, count), dtype=dtype)
+    if coll == "scatter":
+        return comm.scatter(x, root=root, algorithm=algo)
+    if coll in ("broadcast", "gather"):
+        return getattr(comm, coll)(x, root=root, algorithm=algo)
+    if coll in ("reduce",):
+        return comm.reduce(x, root=root, op=kw.get("op", "sum"), algorithm=algo)
+    if coll in ("allreduce", "reduce_scatter"):
+        return getattr(comm, coll)(x, op=kw.get("op", "sum"), algorithm=algo)
+    return getattr(comm, coll)(x, algorithm=algo)
+
+
+def S(coll, dtype=np.float64, count=5, **kw):
+    return (coll, kw, np.dtype(dtype), count)
+
+
+# (good call, bad call, words both must appear in the detecting rank's message)
+PAIRS = [
+    (S("allreduce"), S("barrier"), ("allreduce", "barrier")),
+    (S("barrier"), S("allreduce"), ("barrier", "allreduce")),
+    (S("broadcast"), S("reduce"), ("broadcast", "reduce")),
+    (S("reduce"), S("broadcast"), ("reduce", "broadcast")),
+    (S("allgather"), S("allreduce"), ("allgather", "allreduce")),
+    (S("reduce_scatter"), S("alltoall"), ("reduce_scatter", "alltoall")),
+    (S("gather"), S("scatter"), ("gather", "scatter")),
+    (S("broadcast", root=0), S("broadcast", root=1), ("root=0", "root=1")),
+    (S("allreduce", dtype=np.float64), S("allreduce", dtype=np.float32), ("float64", "float32")),
+    (S("allreduce", count=5), S("allreduce", count=6), ("count=5", "count=6")),
+    (S("allreduce", op="sum"), S("allreduce", op="max"), ("op=sum", "op=max")),
+    (S("alltoall"), S("barrier"), ("alltoall", "barrier")),
+    (S("allreduce"), S("broadcast"), ("allreduce", "broadcast")),     # rooted vs not
+    (S("scatter"), S("allgather"), ("scatter", "allgather")),
+]
+PAIR_IDS = [f"{g[0]}-vs-{b[0]}" + ("" if g[0] != b[0] else f"-{w[1]}") for g, b, w in PAIRS]
+
+
+def run_threads(size, bad, good_spec, bad_spec, family):
+    """Run the calls on inproc threads with check='header'; return each rank's exception."""
+    fabric = Fabric(size)
+    topology = [r * 2 // size for r in range(size)] if family == "hier" else [0] * size
+    model = LinkModel.for_transports("inproc", "inproc")
+    errors = [None] * size
+    comms = [Communicator(InprocTransport(fabric, r), r, size, topology=topology,
+                          timeout=TIMEOUT, check="header", link_model=model)
+             for r in range(size)]
+
+    def body(r):
+        coll, kw, dtype, count = bad_spec if r == bad else good_spec
+        try:
+            call(comms[r], (coll, dict(kw, algorithm=family), dtype, count))
+        except BaseException as e:      # the test inspects it
+            errors[r] = e
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(3 * TIMEOUT)
+    assert not any(t.is_alive() for t in threads), "a rank hung past the timeout"
+    for c in comms:
+        c.close()
+    return errors
+
+
+def check_errors(errors, bad, words):
+    texts = [f"{type(e).__name__}: {e}" for e in errors]
+    for r, e in enumerate(errors):
+        assert isinstance(e, (mc.MismatchError, mc.PeerFailure)), \
+            f"rank {r} (misbehaving: {bad}) got {texts[r]}"
+    named = [r for r, e in enumerate(errors)
+             if isinstance(e, mc.MismatchError) and all(w in str(e) for w in words)
+             and (r == bad or f"rank {bad}" in str(e))]
+    assert named, f"no rank named both calls and rank {bad}: {texts}"
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("good,bad_spec,words", PAIRS, ids=PAIR_IDS)
+def test_mismatch_is_named_on_every_rank(size, family, good, bad_spec, words):
+    if "root=1" in words and size < 2:
+        pytest.skip("needs two roots")
+    for bad in sorted({size - 1, 0}):
+        errors = run_threads(size, bad, good, bad_spec, family)
+        check_errors(errors, bad, words)
+
+
+# a slice on real processes, through the transports' own headers: the cases that escaped
+# (a CommTimeout on some rank) before check_foreign, plus one of each transport
+PROC_CASES = [("ring", 12, 3, 0, "shm"), ("tree", 5, 4, 3, "shm"), ("tree", 11, 3, 0, "shm"),
+              ("rhd", 1, 3, 0, "shm"), ("rhd", 5, 3, 2, "shm"), ("tree", 12, 3, 2, "shm"),
+              ("hier", 0, 4, 3, "shm"), ("tree", 11, 3, 0, "tcp"), ("rhd", 1, 3, 0, "tcp"),
+              ("ring", 12, 3, 0, "tcp"), ("tree", 11, 3, 0, "rdma"), ("rhd", 5, 3, 2, "ub")]
+
+
+def _proc_job(comm, bad, good, bad_spec, family):
+    coll, kw, dtype, count = bad_spec if comm.rank == bad else good
+    try:
+        call(comm, (coll, dict(kw, algorithm=family), dtype, count))
+    except mc.CommError as e:
+        return type(e).__name__, str(e)
+    return None, ""
+
+
+@pytest.mark.parametrize("family,pair,size,bad,transport", PROC_CASES,
+                         ids=[f"{t}-{f}-{PAIR_IDS[i]}-{n}-bad{b}" for f, i, n, b, t in PROC_CASES])
+def test_mismatch_on_processes(family, pair, size, bad, transport):
+    good, bad_spec, words = PAIRS[pair]
+    out = mc.spawn(_proc_job, size, args=(bad, good, bad_spec, family), transport=transport,
+                   nodes=2 if family == "hier" else 1, timeout=TIMEOUT)
+    for r, (kind, text) in enumerate(out):
+        assert kind in ("MismatchError", "PeerFailure"), f"rank {r}: {kind} {text}"
+    assert any(kind == "MismatchError" and all(w in text for w in words)
+               and (r == bad or f"rank {bad}" in text) for r, (kind, text) in enumerate(out)), out
