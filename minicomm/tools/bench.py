@@ -541,6 +541,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune", action="store_true",
                    help="instead of the benchmark: time every algorithm per size and write the "
                         "table algorithm='auto' follows")
+    p.add_argument("--soak", default=None, metavar="DURATION",
+                   help="instead of the benchmark: a soak test (e.g. 10s, 10m) of mixed "
+                        "collectives, p2p and parameter-server traffic, every result checked; "
+                        "reports ops, errors, RSS and open fds per rank (minicomm.tools.soak)")
+    p.add_argument("--soak-seed", type=int, default=0, help="the soak's random seed")
     p.add_argument("--tune-file", default=None,
                    help="where --tune writes (default: minicomm.tuning.table_path(), "
                         "~/.cache/minicomm/tune-<hostname>.json)")
@@ -568,6 +573,9 @@ def config_from_args(a) -> BenchConfig:
 
 
 def main_from_cli(a) -> int:
+    if getattr(a, "soak", None):
+        from .soak import main_from_cli as soak_main
+        return soak_main(a)
     if a.collective == "pushpull":
         from .pushpull_bench import main_from_cli as pushpull_main
         return pushpull_main(a)
