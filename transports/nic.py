@@ -70,7 +70,7 @@ _NEED = {OP_WRITE: REMOTE_WRITE, OP_WRITE_IMM: REMOTE_WRITE, OP_READ: REMOTE_REA
 
 # statuses of an operation
 (OK, BAD_KEY, BAD_TOKEN, NO_PERMISSION, BAD_BOUNDS, BAD_ALIGN, RNR, LEN_ERR, PEER_DEAD, FLUSHED,
- OVERRUN) = range(11)
+ OVERRUN, BAD_OP) = range(12)
 STATUS_TEXT = {
     OK: "success", BAD_KEY: "the key names no region registered at the target",
     BAD_TOKEN: "the token does not match the target's", NO_PERMISSION:
@@ -79,7 +79,8 @@ STATUS_TEXT = {
     LEN_ERR: "the message is longer than the posted receive buffer",
     PEER_DEAD: "the target is gone (its process exited or its link failed)",
     FLUSHED: "flushed: an earlier error put the queue in the error state",
-    OVERRUN: "the target's completion queue is full"}
+    OVERRUN: "the target's completion queue is full",
+    BAD_OP: "the target does not know this operation"}
 
 # inbound events
 EV_IMM, EV_RECV = 1, 2
@@ -571,8 +572,9 @@ class Device:
             if pend is not None and pend[2] is not None and f.status == OK:
                 return pend[2].reshape(-1).view(np.uint8)
             return None
-        conn.state = np.empty(f.payload, dtype=np.uint8)
-        return conn.state
+        # ABORT / BYE: the reason text (bounded: a longer one is dropped, not allocated)
+        conn.state = np.empty(min(f.payload, 1 << 16), dtype=np.uint8)
+        return conn.state if f.payload <= 1 << 16 else None
 
     def on_frame(self, conn, f) -> None:
         if f.kind == nicagent.REQ:
@@ -615,6 +617,8 @@ class Device:
             status, a = own.atomic(op, f.key, f.addr, f.a, f.b, token)
         elif op == OP_IMPORT:
             status, a, b = own.lookup(f.key, f.addr, f.nbytes, token)
+        else:
+            status = BAD_OP               # never a silent success for an unknown operation
         frame = nicagent.pack(nicagent.RESP, op, f.channel, f.op_id, f.key, f.addr, f.nbytes,
                               0, a, b, 0, status, f.nbytes if payload else 0)
         self.agent.send(peer, frame, payload)

@@ -43,6 +43,8 @@ from minicomm.rendezvous import accept_peers, dial_peer
 FRAME = struct.Struct("<14q")
 FRAME_BYTES = FRAME.size
 REQ, RESP, ABORT, BYE = 1, 2, 3, 4
+KINDS = frozenset({REQ, RESP, ABORT, BYE})
+MAX_DROPPED = 64 << 20                # a payload nobody takes is dropped only up to this size
 STAGING = 256 << 10
 DIRECT = 64 << 10                     # payloads at least this large skip the staging copy
 _MAX_IOV = 64
@@ -232,12 +234,22 @@ class NicAgent:
                     continue
                 f = Frame(FRAME.unpack_from(c.rx, c.lo))
                 c.lo += FRAME_BYTES
+                if f.kind not in KINDS:
+                    self._refuse(c, f"sent a frame of unknown kind {f.kind} (op {f.op})")
+                    return
                 if f.payload <= 0:
                     handler.on_frame(c, f)
                     continue
                 dst = handler.on_header(c, f)
                 if dst is None or len(dst) != f.payload:
-                    dst = np.empty(f.payload, dtype=np.uint8)     # read and drop
+                    # nothing takes this payload: read and drop it, but never allocate what a
+                    # broken or hostile peer announces
+                    if f.payload > MAX_DROPPED:
+                        self._refuse(c, f"sent a frame announcing {f.payload} payload bytes that "
+                                        f"no region accepts (kind {f.kind}, op {f.op}; the limit "
+                                        f"is {MAX_DROPPED})")
+                        return
+                    dst = np.empty(f.payload, dtype=np.uint8)
                 c.cur, c.dst, c.got = f, dst, 0
             need = f.payload - c.got
             have = c.hi - c.lo
@@ -281,6 +293,14 @@ class NicAgent:
             return False
         c.hi += k
         return True
+
+    def _refuse(self, c: Conn, reason: str) -> None:
+        """The peer broke the protocol: end its link (it sees EOF, so it learns too)."""
+        try:
+            c.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._lost(c, f"its {self.kind} agent {reason}: the link is closed")
 
     def _lost(self, c: Conn, reason: str) -> None:
         if c.closed is None:
