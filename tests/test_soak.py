@@ -27,6 +27,13 @@ def test_verdict_flags_growth_and_errors():
     assert not soak.verdict([dict(row, end={"rss": 100 << 20, "fds": 11})])["ok"]
     assert not soak.verdict([dict(row, end={"rss": 150 << 20, "fds": 10})])["ok"]
     assert soak.verdict([dict(row, end={"rss": 105 << 20, "fds": 10})])["ok"]   # noise
+    # a cache that fills in the first half and stays is not growth; growth after it is
+    mib = 1 << 20
+    filled = [(0, 100 * mib, 10), (10, 160 * mib, 10), (20, 165 * mib, 10), (30, 165 * mib, 10),
+              (40, 166 * mib, 10)]
+    assert soak.verdict([dict(row, end={"rss": 166 * mib, "fds": 10}, samples=filled)])["ok"]
+    leak = [(t, (100 + 3 * t) * mib, 10) for t in range(0, 50, 10)]
+    assert not soak.verdict([dict(row, end={"rss": 250 * mib, "fds": 10}, samples=leak)])["ok"]
     assert not soak.verdict([dict(row, wrong=1)])["ok"]
 
 
