@@ -18,7 +18,7 @@ import minicomm as mc
 from minicomm.ps import wire
 from minicomm.ps.sharding import DTYPES, KeySpec
 
-EXAMPLES = int(os.environ.get("MINICOMM_FUZZ_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("MINICOMM_FUZZ_EXAMPLES", "30"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
 names = st.text(min_size=1, max_size=12)

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 import minicomm.torch  # noqa: E402,F401  (registers the backend)
 
-EXAMPLES = int(os.environ.get("MINICOMM_FUZZ_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("MINICOMM_FUZZ_EXAMPLES", "40"))
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
           torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.complex32]
