@@ -313,6 +313,9 @@ class LandingEngine(LinkEngine):
         link.sent += 1
         if status is not None and status != OK:
             link.closed = f"its {self.kind} write failed: {STATUS_TEXT[status]}"
+            why = getattr(self.device, "closed_peers", {}).get(link.peer)
+            if why:                   # the link's own reason (a protocol violation, an exit)
+                link.closed += f" ({why})"
         return status
 
     def _pull(self, link: _Link) -> bool:

@@ -77,7 +77,8 @@ def _ref(t):
 
 def _bytes(t):
     """Bit-exact comparison for every dtype (torch.equal lacks some, e.g. complex32)."""
-    return _ref(t).contiguous().reshape(-1).view(torch.uint8)
+    flat = _ref(t).contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 ARG_ERRORS = (TypeError, ValueError)
