@@ -32,15 +32,32 @@ Lifetime. A segment is unlinked as soon as every peer has attached to it (every 
 segments of its node before it completes the doorbell handshake, so a finished handshake with every
 peer proves it), on close, on any setup error and at exit; ``sweep_job_segments`` removes what a
 SIGKILLed rank left (the launcher calls it).
+
+Single copy (cma.py). A message of at least ``MINICOMM_CMA_MIN`` bytes (256 KiB) to a peer that
+can read this process's memory with process_vm_readv travels as one 128-byte *descriptor record*
+(the header with chunk length ``-2``, then the buffer's address) instead of chunks: the receiver,
+once its receive is posted, reads the bytes straight from the sender's buffer into the
+destination (a reducing receive reads pieces into a 256 KiB scratch that stays in cache and
+reduces from it), then advances ``tail`` past the record. The sender's request completes when it
+sees ``tail`` pass the record (the receiver's usual doorbell wakes it if it sleeps): until then
+its buffer is in use, so such a send is a rendezvous send, which every schedule is verified
+against. The bytes cross memory once, where the ring path copies them in and out. Each rank
+probes every peer at setup (reads a random token from the peer's memory) and writes the verdict
+into the control page of the ring that peer sends into; a pair whose probe fails (EPERM under
+ptrace restrictions or seccomp, ESRCH across pid namespaces) or a side with ``MINICOMM_CMA=0``
+keeps the ring path. ``describe_copies()`` names the peers of each kind and why (logged at setup
+under ``MINICOMM_DEBUG=info``).
 """
 from __future__ import annotations
 
+import errno
 import glob
 import mmap
 import os
 import re
 import socket
 import struct
+import sys
 import time
 from collections import deque
 from typing import Dict, List, Optional
@@ -49,7 +66,7 @@ import numpy as np
 
 from minicomm.errors import CommError, CommTimeout
 from minicomm.rendezvous import accept_peers, dial_peer
-from . import segment
+from . import cma, segment
 from .base import ReduceFn, Request, Tag
 from .progress import CLEAN_CLOSE, Inbox, LinkEngine, Progress, Req, deliver, fence
 
@@ -66,6 +83,14 @@ _SEG = struct.Struct("@8sqqqq")       # magic, owner rank, ring bytes, chunk byt
 _HEAD, _TAIL = 0, 16                  # int64 index in a ring's control page (own cache lines)
 _SLEEPING = 32                        # int64 index in the segment's first page: owner may sleep
 _RANKS_AT = 512                       # byte offset of the senders' ranks, after the flag's line
+_CMA_OK = 32                          # int64 index in a ring's control page: its receiver reads
+                                      # the sender's memory (written by the receiver at setup)
+_PROBE_AT = 64                        # byte offset in a segment of the owner's pid, the address
+_PROBE = struct.Struct("@qq16s")      # of a token in its memory, and the token (cma.probe)
+_CMA_REC = -2                         # chunk length of a descriptor record
+_CMA_ADDR = struct.Struct("@q")       # the descriptor's payload: the sender's buffer address
+_CMA_RECORD = HDR + 64                # ring bytes of a descriptor record
+_CMA_PIECE = 256 << 10                # a reducing receive reads this much at a time (stays in L2)
 _NOWAIT = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
 # Fault the pages in at setup, not on the first large transfer.
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -119,7 +144,7 @@ class _Peer:
     __slots__ = ("rank", "sock", "fd", "flag_q", "tx_mm", "tx_u8", "tx_ctl", "tx_data", "tx_size",
                  "tx_head", "tx_tail", "tx_chunk", "txq", "tx_q", "rx_mm", "rx_u8", "rx_ctl",
                  "rx_data", "rx_size", "rx_q", "rx_head", "rx_tail", "rx_cur", "inbox", "owed",
-                 "closed")
+                 "closed", "pid", "cma", "cma_read", "cma_wait")
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -132,6 +157,10 @@ class _Peer:
         self.inbox = Inbox(rank)
         self.owed = False             # a doorbell is due at the end of this pass
         self.closed: Optional[str] = None
+        self.pid = 0
+        self.cma = False              # our large sends to it go single-copy (it reads us)
+        self.cma_read: Optional[str] = "not probed"   # None: we can read its memory; else why not
+        self.cma_wait: deque = deque()  # (ring position past the descriptor, send) being read
 
 
 class ShmTransport(LinkEngine):
@@ -155,6 +184,10 @@ class ShmTransport(LinkEngine):
         self._cancelled: Dict[int, BaseException] = {}
         self._closed = False
         self._listener: Optional[socket.socket] = None
+        self._cma_min = cma.min_bytes()
+        self._cma_off = cma.disabled()           # why this side never sends single-copy
+        self._probe_token = np.frombuffer(os.urandom(16), dtype=np.uint8).copy()
+        self._scratch: Optional[np.ndarray] = None
         try:
             if self.peer_ranks:
                 self._setup(store, time.monotonic() + timeout)
@@ -198,6 +231,9 @@ class ShmTransport(LinkEngine):
             os.close(fd)
         _SEG.pack_into(self._mm, 0, _MAGIC, me, ring, chunk, len(peers))
         struct.pack_into(f"@{len(peers)}q", self._mm, _RANKS_AT, *peers)
+        _PROBE.pack_into(self._mm, _PROBE_AT, os.getpid(),
+                         self._probe_token.__array_interface__["data"][0],
+                         self._probe_token.tobytes())
         self._flag_q = memoryview(self._mm)[:PAGE].cast("q")
         own_u8 = np.frombuffer(self._mm, dtype=np.uint8)
         for i, pr in enumerate(peers):
@@ -225,6 +261,11 @@ class ShmTransport(LinkEngine):
             self._peers[pr].sock = s
         # Every peer mapped our segment before its handshake with us: the name can go now.
         _unlink(self._path)
+        # ... and probed our memory, leaving its verdict in the ring we send it through
+        for p in self._peers.values():
+            p.cma = self._cma_off is None and p.tx_q[_CMA_OK] == 1
+        if os.environ.get("MINICOMM_DEBUG", "").lower() in ("info", "detail"):
+            print(f"[minicomm rank {me}] {self.describe_copies()}", file=sys.stderr, flush=True)
         for p in self._peers.values():
             p.sock.setblocking(False)
             p.fd = p.sock.fileno()
@@ -255,6 +296,10 @@ class ShmTransport(LinkEngine):
         p.tx_data = p.tx_ctl + PAGE
         p.tx_q = memoryview(mm)[p.tx_ctl:p.tx_ctl + PAGE].cast("q")
         p.flag_q = memoryview(mm)[:PAGE].cast("q")
+        pid, addr, token = _PROBE.unpack_from(mm, _PROBE_AT)
+        p.pid = pid
+        p.cma_read = cma.probe(pid, addr, token)
+        p.rx_q[_CMA_OK] = int(p.cma_read is None)   # before our handshake with it
 
     # ------------------------------------------------------------------------- data path
     def _peer(self, peer: int) -> _Peer:
@@ -374,7 +419,9 @@ class ShmTransport(LinkEngine):
                 moved = True
             if (p.inbox.n_posted or p.rx_cur is not None) and self._pull(p):
                 moved = True
-            if not (p.txq or p.inbox.n_posted or p.rx_cur is not None):
+            if p.cma_wait and self._read_done(p):
+                moved = True
+            if not (p.txq or p.inbox.n_posted or p.rx_cur is not None or p.cma_wait):
                 del active[p]
         if moved:
             fence()                   # our head/tail stores before reading their flags
@@ -387,16 +434,53 @@ class ShmTransport(LinkEngine):
         if self._flag_q is not None:
             self._flag_q[_SLEEPING] = int(flag)
 
+    def _read_done(self, p: _Peer) -> bool:
+        """Complete the single-copy sends whose descriptor the receiver has consumed."""
+        tail = p.tx_q[_TAIL]
+        w = p.cma_wait
+        moved = False
+        while w and w[0][0] <= tail:
+            w.popleft()[1].done = True
+            moved = True
+        return moved
+
     def _push(self, p: _Peer) -> bool:
         """Write records of the queued sends into the outbound ring while it has room."""
         size, data, chunk = p.tx_size, p.tx_data, p.tx_chunk
         head, tail = p.tx_head, p.tx_tail
         moved = False
         q = p.txq
+        single = self._cma_min if p.cma else -1
         while q:
             req = q[0]
             off = req.off
             nbytes = req.nbytes
+            if off == 0 and 0 <= single <= nbytes:
+                # one descriptor record; the receiver reads the buffer itself (module doc)
+                pos = head % size
+                contig = size - pos
+                free = size - head + tail
+                if (free if free < contig else contig) >= _CMA_RECORD:
+                    h = data + pos
+                    t = req.tag
+                    _HDR.pack_into(p.tx_mm, h, t[0], t[1], t[2], t[3], t[4], nbytes, 0, _CMA_REC)
+                    _CMA_ADDR.pack_into(p.tx_mm, h + HDR, req.u8.__array_interface__["data"][0])
+                    head += _CMA_RECORD
+                    p.tx_q[_HEAD] = head          # publish the record
+                    moved = True
+                    q.popleft()
+                    req.off = nbytes
+                    p.cma_wait.append((head, req))
+                    fence()                       # a sleeping receiver starts reading now
+                    self._ring_if_sleeping(p)
+                elif contig <= free:
+                    _HDR.pack_into(p.tx_mm, data + pos, 0, 0, 0, 0, 0, 0, 0, -1)   # wrap marker
+                    head += contig
+                else:
+                    tail = p.tx_q[_TAIL]
+                    if size - head + tail == free:
+                        break             # ring full: the receiver's doorbell will wake us
+                continue
             want = nbytes - off
             if want > chunk:
                 want = chunk
@@ -453,7 +537,7 @@ class ShmTransport(LinkEngine):
             pos = tail % size
             h = data + pos
             comm, seq, step, call, count, total, off, c = _HDR.unpack_from(mm, h)
-            if c < 0:                 # wrap marker
+            if c < 0 and c != _CMA_REC:   # wrap marker
                 tail += size - pos
                 continue
             target = p.rx_cur
@@ -462,6 +546,24 @@ class ShmTransport(LinkEngine):
                 if target is None:
                     break             # its receive is not posted yet: leave it in the ring
                 p.rx_cur = target
+            if c == _CMA_REC:
+                try:
+                    self._read_from(p, target, _CMA_ADDR.unpack_from(mm, h + HDR)[0], total)
+                except cma.CmaError as e:
+                    p.closed = p.closed or (
+                        "it has exited (a single-copy read found no such process)"
+                        if e.errno == errno.ESRCH else f"a single-copy read from it failed: {e}")
+                    break
+                tail += _CMA_RECORD
+                p.rx_q[_TAIL] = tail  # the sender's buffer is free again
+                target.off = total
+                moved = True
+                p.rx_cur = None
+                if target.__class__ is Req:
+                    target.done = True
+                else:
+                    ib.complete(target)
+                continue
             if c == total and target.reduce is not None and target.buf.ndim == 1:
                 # a whole message reduced straight from a typed view of the landing memory
                 buf = target.buf
@@ -483,6 +585,20 @@ class ShmTransport(LinkEngine):
             p.owed = True
         p.rx_tail, p.rx_head = tail, head
         return moved
+
+    def _read_from(self, p: _Peer, target, addr: int, total: int) -> None:
+        """Read a single-copy message of ``total`` bytes at ``addr`` in ``p``'s memory into
+        ``target``: straight into its bytes, or piecewise through a scratch it reduces from."""
+        if target.reduce is None:
+            cma.read(p.pid, addr, target.u8[:total])
+            return
+        scratch = self._scratch
+        if scratch is None:
+            scratch = self._scratch = np.empty(_CMA_PIECE, dtype=np.uint8)
+        for lo in range(0, total, _CMA_PIECE):
+            piece = scratch[:min(_CMA_PIECE, total - lo)]
+            cma.read(p.pid, addr + lo, piece)
+            deliver(target, lo, piece)
 
     def _ring_if_sleeping(self, p: _Peer) -> None:
         """Ring ``p``'s doorbell if it may be asleep; the caller fenced after its last store."""
@@ -520,6 +636,28 @@ class ShmTransport(LinkEngine):
 
     def _link(self, peer: int):
         return self._peers[peer]
+
+    def single_copy_peers(self) -> List[int]:
+        """The peers our large sends reach single-copy (they read this process's memory)."""
+        return [p.rank for p in self._peers.values() if p.cma]
+
+    def describe_copies(self) -> str:
+        """How large messages move to and from each peer, and why (logged at setup under
+        MINICOMM_DEBUG=info)."""
+        if not self.peer_ranks:
+            return f"rank {self.rank}: no peers"
+        single = [p.rank for p in self._peers.values() if p.cma]
+        ring = {p.rank: (self._cma_off or "the peer cannot read this process's memory")
+                for p in self._peers.values() if not p.cma}
+        reads = {p.rank: p.cma_read for p in self._peers.values() if p.cma_read is not None}
+        text = f"rank {self.rank}: shm large messages"
+        if single:
+            text += f"; sends of >= {self._cma_min} B single-copy (process_vm_readv) to {single}"
+        if ring:
+            text += "; ring copies to " + ", ".join(f"{r} ({why})" for r, why in ring.items())
+        if reads:
+            text += "; cannot read " + ", ".join(f"{r} ({why})" for r, why in reads.items())
+        return text
 
     def _links(self):
         return self._peers.values()
@@ -574,6 +712,7 @@ class ShmTransport(LinkEngine):
             for name in ("tx_mm", "tx_u8", "tx_q", "rx_mm", "rx_u8", "rx_q", "flag_q"):
                 setattr(p, name, None)
             p.txq.clear()
+            p.cma_wait.clear()
             p.rx_cur = None
         if self._flag_q is not None:
             self._flag_q.release()
