@@ -31,7 +31,7 @@ import numpy as np
 
 ENV = "MINICOMM_CMA"                 # "0" / "off": never use single-copy reads
 MIN_ENV = "MINICOMM_CMA_MIN"         # messages of at least this many bytes go single-copy
-DEFAULT_MIN = 256 << 10
+DEFAULT_MIN = 2 << 20
 
 
 class _IoVec(ctypes.Structure):
