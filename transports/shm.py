@@ -38,8 +38,7 @@ does not reduce (broadcast, gather, scatter, allgather, alltoall, p2p), to a pee
 this process's memory with process_vm_readv, travels as one 128-byte *descriptor record* (the
 header with chunk length ``-2``, then the buffer's address) instead of chunks: the receiver, once
 its receive is posted, reads the bytes straight from the sender's buffer into the destination
-(should a reducing receive meet one, it reads 256 KiB pieces into a scratch that stays in cache
-and reduces from it), then advances ``tail`` past the record. The sender's request completes when it
+then advances ``tail`` past the record. The sender's request completes when it
 sees ``tail`` pass the record (the receiver's usual doorbell wakes it if it sleeps): until then
 its buffer is in use, so such a send is a rendezvous send, which every schedule is verified
 against. The bytes cross memory once, where the ring path copies them in and out. Measured here
@@ -96,7 +95,6 @@ _PROBE = struct.Struct("@qq16s")      # of a token in its memory, and the token 
 _CMA_REC = -2                         # chunk length of a descriptor record
 _CMA_ADDR = struct.Struct("@q")       # the descriptor's payload: the sender's buffer address
 _CMA_RECORD = HDR + 64                # ring bytes of a descriptor record
-_CMA_PIECE = 256 << 10                # a reducing receive reads this much at a time (stays in L2)
 _NOWAIT = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
 # Fault the pages in at setup, not on the first large transfer.
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -193,7 +191,6 @@ class ShmTransport(LinkEngine):
         self._cma_min = cma.min_bytes()
         self._cma_off = cma.disabled()           # why this side never sends single-copy
         self._probe_token = np.frombuffer(os.urandom(16), dtype=np.uint8).copy()
-        self._scratch: Optional[np.ndarray] = None
         try:
             if self.peer_ranks:
                 self._setup(store, time.monotonic() + timeout)
@@ -592,19 +589,15 @@ class ShmTransport(LinkEngine):
         p.rx_tail, p.rx_head = tail, head
         return moved
 
-    def _read_from(self, p: _Peer, target, addr: int, total: int) -> None:
-        """Read a single-copy message of ``total`` bytes at ``addr`` in ``p``'s memory into
-        ``target``: straight into its bytes, or piecewise through a scratch it reduces from."""
-        if target.reduce is None:
-            cma.read(p.pid, addr, target.u8[:total])
-            return
-        scratch = self._scratch
-        if scratch is None:
-            scratch = self._scratch = np.empty(_CMA_PIECE, dtype=np.uint8)
-        for lo in range(0, total, _CMA_PIECE):
-            piece = scratch[:min(_CMA_PIECE, total - lo)]
-            cma.read(p.pid, addr + lo, piece)
-            deliver(target, lo, piece)
+    @staticmethod
+    def _read_from(p: _Peer, target, addr: int, total: int) -> None:
+        """Read a single-copy message of ``total`` bytes at ``addr`` in ``p``'s memory straight
+        into ``target``'s bytes. (Reducing calls never send descriptors, and a receive that
+        reduces belongs to one: a descriptor meeting it is a mismatched call, which matching
+        turned into a dropped ``Unexpected`` already.)"""
+        if target.reduce is not None:
+            raise cma.CmaError(errno.EPROTO, "a single-copy descriptor met a reducing receive")
+        cma.read(p.pid, addr, target.u8[:total])
 
     def _ring_if_sleeping(self, p: _Peer) -> None:
         """Ring ``p``'s doorbell if it may be asleep; the caller fenced after its last store."""
