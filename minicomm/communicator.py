@@ -627,6 +627,55 @@ class Communicator:
             self._execute("barrier", empty, empty, 0, "none", 0, algorithm, ())
         return self._submit("barrier", run, async_op)
 
+    # ------------------------------------------------------------------ registered buffers
+    def empty(self, shape, dtype=np.float64) -> np.ndarray:
+        """An uninitialised array in *registered* memory, which the peers on this node can map
+        (as NCCL's user-buffer registration, MPI_Win_allocate_shared): over shm, a large message
+        from it is copied once, straight from this rank's memory into the receiver's
+        destination, with no staging ring and no system call. Use it like any array (in, out,
+        in place); where no peer can map it (tcp, inproc) it is a plain array. ``free`` ends
+        the registration. Cost: one /dev/shm segment per call (its name lives while it is
+        registered)."""
+        dtype = np.dtype(dtype)
+        if dtype.kind not in "biufc":
+            raise TypeError(f"minicomm moves numeric and bool arrays, got dtype {dtype}")
+        shape = tuple(int(d) for d in np.atleast_1d(shape)) if np.ndim(shape) else (int(shape),)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"empty: negative dimension in {shape}")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        from .transports import registered_memory
+        reg = registered_memory(self.transport)
+        if reg is None:
+            return np.empty(shape, dtype)
+        return reg.register_memory(nbytes).view(dtype).reshape(shape)
+
+    def register(self, array) -> np.ndarray:
+        """``array`` itself if it lies in registered memory already, else a registered copy of
+        it (same shape, dtype and values): pass the returned array to the collectives."""
+        arr = np.asarray(array)
+        if self.is_registered(arr) and arr.flags.c_contiguous:
+            return arr
+        reg = self.empty(arr.shape, arr.dtype)
+        reg[...] = arr
+        return reg
+
+    def is_registered(self, array) -> bool:
+        from .transports import registered_memory
+        reg = registered_memory(self.transport)
+        return (reg is not None and isinstance(array, np.ndarray)
+                and reg.is_registered(array))
+
+    def free(self, array) -> None:
+        """End the registration of memory from ``empty`` / ``register``: peers stop mapping it
+        and its name goes; the array itself stays valid as a plain (private) array. Do not
+        free a buffer an unfinished async_op call uses. A plain array is a ValueError."""
+        from .transports import registered_memory
+        reg = registered_memory(self.transport)
+        if reg is None:
+            return                    # it was a plain array all along (tcp, inproc)
+        if not isinstance(array, np.ndarray) or not reg.free_memory(array):
+            raise ValueError("free: the array is not registered memory of this communicator")
+
     # ------------------------------------------------------------------ point to point
     def _check_peer(self, rank: int, what: str, any_ok: bool) -> int:
         if isinstance(rank, numbers.Integral):

@@ -50,11 +50,23 @@ single-copy with a scratch reduce measured 0.6-0.9x), so those keep the ring. Ea
 probes every peer at setup (reads a random token from the peer's memory) and writes the verdict
 into the control page of the ring that peer sends into; a pair whose probe fails (EPERM under
 ptrace restrictions or seccomp, ESRCH across pid namespaces) or a side with ``MINICOMM_CMA=0``
-keeps the ring path. ``describe_copies()`` names the peers of each kind and why (logged at setup
+keeps the ring path.
+
+Registered memory. ``register_memory(nbytes)`` gives a page-aligned array backed by its own
+segment ``minicomm-<job>-<rank>-reg<serial>`` (what ``comm.empty`` / ``comm.register`` hand out,
+like NCCL's user-buffer registration or MPI_Win_allocate_shared). A message of at least
+``REGISTERED_MIN`` bytes whose bytes lie in such memory travels as a descriptor naming (serial,
+offset) (chunk length ``-3``); the receiver maps the segment on first use (cached, at most
+``_REG_MAPS``) and copies -- or reduces -- straight from the sender's memory into the
+destination: one memcpy, no system call, for every call including reducing ones. The segment's
+name stays in /dev/shm while it is registered (peers map it lazily), and goes on ``free_memory``,
+close, exit and the launcher's sweep (the names match ``minicomm-<job>-*``); the pages live
+until the last mapping goes. ``describe_copies()`` names the peers of each kind and why (logged at setup
 under ``MINICOMM_DEBUG=info``).
 """
 from __future__ import annotations
 
+import bisect
 import errno
 import glob
 import mmap
@@ -95,6 +107,11 @@ _PROBE = struct.Struct("@qq16s")      # of a token in its memory, and the token 
 _CMA_REC = -2                         # chunk length of a descriptor record
 _CMA_ADDR = struct.Struct("@q")       # the descriptor's payload: the sender's buffer address
 _CMA_RECORD = HDR + 64                # ring bytes of a descriptor record
+_REG_REC = -3                         # chunk length of a registered-memory descriptor
+_REG_DESC = struct.Struct("@qq")      # its payload: (segment serial, byte offset)
+REGISTERED_MIN = 64 << 10             # smaller messages take the ring even from registered memory
+_REG_MAPS = 64                        # peers' registered segments kept mapped per rank
+_PIECE = 256 << 10                    # registered copies go in pieces this large
 _NOWAIT = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
 # Fault the pages in at setup, not on the first large transfer.
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -191,6 +208,11 @@ class ShmTransport(LinkEngine):
         self._cma_min = cma.min_bytes()
         self._cma_off = cma.disabled()           # why this side never sends single-copy
         self._probe_token = np.frombuffer(os.urandom(16), dtype=np.uint8).copy()
+        self._reg_starts: List[int] = []         # registered memory: sorted start addresses,
+        self._reg: Dict[int, tuple] = {}         # start -> (end, serial, path, mmap)
+        self._reg_serial = 0
+        self._reg_maps: Dict[tuple, tuple] = {}  # (peer, serial) -> (mmap, u8): peers' memory
+        self.received_single_copy = {"cma": 0, "registered": 0}   # messages, by path
         try:
             if self.peer_ranks:
                 self._setup(store, time.monotonic() + timeout)
@@ -454,11 +476,15 @@ class ShmTransport(LinkEngine):
         moved = False
         q = p.txq
         single = self._cma_min if p.cma else -1
+        regs = self._reg_starts
         while q:
             req = q[0]
             off = req.off
             nbytes = req.nbytes
-            if off == 0 and 0 <= single <= nbytes and not call_reduces(req.tag[3]):
+            where = (self._registered(req.u8) if regs and off == 0 and nbytes >= REGISTERED_MIN
+                     else None)
+            if where is not None or (off == 0 and 0 <= single <= nbytes
+                                     and not call_reduces(req.tag[3])):
                 # one descriptor record; the receiver reads the buffer itself (module doc)
                 pos = head % size
                 contig = size - pos
@@ -466,8 +492,15 @@ class ShmTransport(LinkEngine):
                 if (free if free < contig else contig) >= _CMA_RECORD:
                     h = data + pos
                     t = req.tag
-                    _HDR.pack_into(p.tx_mm, h, t[0], t[1], t[2], t[3], t[4], nbytes, 0, _CMA_REC)
-                    _CMA_ADDR.pack_into(p.tx_mm, h + HDR, req.u8.__array_interface__["data"][0])
+                    if where is None:
+                        _HDR.pack_into(p.tx_mm, h, t[0], t[1], t[2], t[3], t[4], nbytes, 0,
+                                       _CMA_REC)
+                        _CMA_ADDR.pack_into(p.tx_mm, h + HDR,
+                                            req.u8.__array_interface__["data"][0])
+                    else:
+                        _HDR.pack_into(p.tx_mm, h, t[0], t[1], t[2], t[3], t[4], nbytes, 0,
+                                       _REG_REC)
+                        _REG_DESC.pack_into(p.tx_mm, h + HDR, *where)
                     head += _CMA_RECORD
                     p.tx_q[_HEAD] = head          # publish the record
                     moved = True
@@ -540,7 +573,7 @@ class ShmTransport(LinkEngine):
             pos = tail % size
             h = data + pos
             comm, seq, step, call, count, total, off, c = _HDR.unpack_from(mm, h)
-            if c < 0 and c != _CMA_REC:   # wrap marker
+            if c < 0 and c != _CMA_REC and c != _REG_REC:   # wrap marker
                 tail += size - pos
                 continue
             target = p.rx_cur
@@ -549,10 +582,16 @@ class ShmTransport(LinkEngine):
                 if target is None:
                     break             # its receive is not posted yet: leave it in the ring
                 p.rx_cur = target
-            if c == _CMA_REC:
+            if c == _CMA_REC or c == _REG_REC:
                 try:
-                    self._read_from(p, target, _CMA_ADDR.unpack_from(mm, h + HDR)[0], total)
-                except cma.CmaError as e:
+                    if c == _REG_REC:
+                        self._copy_registered(p, target, *_REG_DESC.unpack_from(mm, h + HDR),
+                                              total)
+                        self.received_single_copy["registered"] += 1
+                    else:
+                        self._read_from(p, target, _CMA_ADDR.unpack_from(mm, h + HDR)[0], total)
+                        self.received_single_copy["cma"] += 1
+                except (cma.CmaError, OSError, ValueError) as e:
                     p.closed = p.closed or (
                         "it has exited (a single-copy read found no such process)"
                         if e.errno == errno.ESRCH else f"a single-copy read from it failed: {e}")
@@ -588,6 +627,95 @@ class ShmTransport(LinkEngine):
             p.owed = True
         p.rx_tail, p.rx_head = tail, head
         return moved
+
+    # ------------------------------------------------------------------ registered memory
+    def register_memory(self, nbytes: int) -> np.ndarray:
+        """A page-aligned uint8 array of ``nbytes`` in a segment of its own that the peers of
+        this node map when a message comes from it (module doc, "Registered memory")."""
+        size = max(PAGE, -(-nbytes // PAGE) * PAGE)
+        with self._lock:
+            self._reg_serial += 1
+            serial = self._reg_serial
+        path = f"{segment_path(self.job_id, self.rank)}-reg{serial}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        _linked.add(path)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                raise CommError(f"shm: cannot reserve {size} bytes of registered memory in "
+                                f"{SHM_DIR} ({e.strerror})") from None
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        except BaseException:
+            _unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        u8 = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+        start = u8.__array_interface__["data"][0]
+        with self._lock:
+            self._reg[start] = (start + size, serial, path, mm)
+            self._reg_starts = sorted(self._reg)
+        return u8
+
+    def free_memory(self, arr: np.ndarray) -> bool:
+        """Stop sharing the registered memory ``arr`` lies in (its name goes; the array stays
+        valid, now private). False if it is not registered here."""
+        key = self._region_of(arr.__array_interface__["data"][0], 0)
+        if key is None:
+            return False
+        with self._lock:
+            entry = self._reg.pop(key, None)
+            self._reg_starts = sorted(self._reg)
+        if entry is not None:
+            _unlink(entry[2])
+        return entry is not None
+
+    def is_registered(self, arr: np.ndarray) -> bool:
+        return self._region_of(arr.__array_interface__["data"][0], arr.nbytes) is not None
+
+    def _region_of(self, addr: int, nbytes: int) -> Optional[int]:
+        starts = self._reg_starts
+        i = bisect.bisect_right(starts, addr) - 1
+        if i < 0:
+            return None
+        start = starts[i]
+        entry = self._reg.get(start)
+        if entry is None or addr + nbytes > entry[0]:
+            return None
+        return start
+
+    def _registered(self, u8: np.ndarray) -> Optional[tuple]:
+        """(serial, offset) of a send buffer lying wholly in registered memory, else None."""
+        addr = u8.__array_interface__["data"][0]
+        start = self._region_of(addr, u8.nbytes)
+        if start is None:
+            return None
+        return self._reg[start][1], addr - start
+
+    def _copy_registered(self, p: _Peer, target, serial: int, off: int, total: int) -> None:
+        """Copy (or reduce) ``total`` bytes at ``off`` of ``p``'s registered segment ``serial``
+        into ``target``, mapping the segment on first use."""
+        key = (p.rank, serial)
+        m = self._reg_maps.pop(key, None)
+        if m is None:
+            path = f"{segment_path(self.job_id, p.rank)}-reg{serial}"
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                mm = mmap.mmap(fd, 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            m = (mm, np.frombuffer(mm, dtype=np.uint8))
+            while len(self._reg_maps) >= _REG_MAPS:      # forget the least recently used
+                self._reg_maps.pop(next(iter(self._reg_maps)))
+        self._reg_maps[key] = m                          # most recently used last
+        if off + total > m[1].shape[0]:
+            raise ValueError(f"registered descriptor past the end of {key}")
+        src = m[1]
+        # in cache-sized pieces: one memcpy (or ufunc) of many MiB runs slower here (executor.py)
+        for lo in range(0, total, _PIECE):
+            hi = min(total, lo + _PIECE)
+            deliver(target, lo, src[off + lo:off + hi])
 
     @staticmethod
     def _read_from(p: _Peer, target, addr: int, total: int) -> None:
@@ -697,6 +825,13 @@ class ShmTransport(LinkEngine):
         Messages already in a peer's ring stay readable by it: its own mapping outlives ours."""
         if self._path is not None:
             _unlink(self._path)
+        for entry in getattr(self, "_reg", {}).values():
+            _unlink(entry[2])         # the arrays stay valid (private) until they are garbage
+        if getattr(self, "_reg", None):
+            self._reg.clear()
+            self._reg_starts = []
+        if getattr(self, "_reg_maps", None):
+            self._reg_maps.clear()
         maps = []
         for p in self._peers.values():
             if p.sock is not None:
