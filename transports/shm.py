@@ -213,6 +213,7 @@ class ShmTransport(LinkEngine):
         self._reg_serial = 0
         self._reg_maps: Dict[tuple, tuple] = {}  # (peer, serial) -> (mmap, u8): peers' memory
         self.received_single_copy = {"cma": 0, "registered": 0}   # messages, by path
+        self._scratch: Optional[np.ndarray] = None   # a reducing single-copy receive's pieces
         try:
             if self.peer_ranks:
                 self._setup(store, time.monotonic() + timeout)
@@ -717,15 +718,21 @@ class ShmTransport(LinkEngine):
             hi = min(total, lo + _PIECE)
             deliver(target, lo, src[off + lo:off + hi])
 
-    @staticmethod
-    def _read_from(p: _Peer, target, addr: int, total: int) -> None:
-        """Read a single-copy message of ``total`` bytes at ``addr`` in ``p``'s memory straight
-        into ``target``'s bytes. (Reducing calls never send descriptors, and a receive that
-        reduces belongs to one: a descriptor meeting it is a mismatched call, which matching
-        turned into a dropped ``Unexpected`` already.)"""
-        if target.reduce is not None:
-            raise cma.CmaError(errno.EPROTO, "a single-copy descriptor met a reducing receive")
-        cma.read(p.pid, addr, target.u8[:total])
+    def _read_from(self, p: _Peer, target, addr: int, total: int) -> None:
+        """Read a single-copy message of ``total`` bytes at ``addr`` in ``p``'s memory: straight
+        into ``target``'s bytes, or -- a reducing receive, which the collectives' reducing calls
+        never meet (they keep the ring) but the transport contract allows on any message --
+        piecewise through a scratch that stays in cache, reducing from it."""
+        if target.reduce is None:
+            cma.read(p.pid, addr, target.u8[:total])
+            return
+        scratch = self._scratch
+        if scratch is None:
+            scratch = self._scratch = np.empty(_PIECE, dtype=np.uint8)
+        for lo in range(0, total, _PIECE):
+            piece = scratch[:min(_PIECE, total - lo)]
+            cma.read(p.pid, addr + lo, piece)
+            deliver(target, lo, piece)
 
     def _ring_if_sleeping(self, p: _Peer) -> None:
         """Ring ``p``'s doorbell if it may be asleep; the caller fenced after its last store."""
