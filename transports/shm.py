@@ -207,6 +207,7 @@ class ShmTransport(LinkEngine):
         self._listener: Optional[socket.socket] = None
         self._cma_min = cma.min_bytes()
         self._cma_off = cma.disabled()           # why this side never sends single-copy
+        self._cma_reduce = False                 # reducing calls single-copy too (measured: no)
         self._probe_token = np.frombuffer(os.urandom(16), dtype=np.uint8).copy()
         self._reg_starts: List[int] = []         # registered memory: sorted start addresses,
         self._reg: Dict[int, tuple] = {}         # start -> (end, serial, path, mmap)
@@ -484,8 +485,8 @@ class ShmTransport(LinkEngine):
             nbytes = req.nbytes
             where = (self._registered(req.u8) if regs and off == 0 and nbytes >= REGISTERED_MIN
                      else None)
-            if where is not None or (off == 0 and 0 <= single <= nbytes
-                                     and not call_reduces(req.tag[3])):
+            if where is not None or (off == 0 and 0 <= single <= nbytes and (
+                    self._cma_reduce or not call_reduces(req.tag[3]))):
                 # one descriptor record; the receiver reads the buffer itself (module doc)
                 pos = head % size
                 contig = size - pos
