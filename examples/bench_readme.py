@@ -63,7 +63,16 @@ def run_all(out: str, prefix: str) -> dict:
         if use:
             cmd += ["--peers", ",".join(use)]
         print("$", " ".join(shlex.quote(c) for c in cmd), file=sys.stderr, flush=True)
-        subprocess.run(cmd, check=True, stdout=sys.stderr)
+        for attempt in range(3):
+            # a job's setup can fail on a loaded machine (a rank's connect refused with EAGAIN):
+            # run it again rather than lose the table; a failure of the third try is final
+            done = subprocess.run(cmd, stdout=sys.stderr)
+            if done.returncode == 0:
+                break
+            print(f"# {name}: bench exited {done.returncode}; attempt {attempt + 2} of 3",
+                  file=sys.stderr, flush=True)
+        else:
+            raise SystemExit(f"{name}: the bench run failed three times")
         with open(path) as f:
             rows[name] = json.load(f)["rows"]
     return rows
