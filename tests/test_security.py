@@ -19,12 +19,11 @@ import numpy as np
 import pytest
 
 import minicomm as mc
+from leaks import nothing_left_behind  # noqa: F401  (autouse fixture)
 from minicomm import rendezvous as rv
 from minicomm.launch import env as launch_env
 from minicomm.rendezvous import AuthError, RendezvousError, StoreClient, StoreServer, new_token
 from minicomm.transports import segment, shm
-
-from leaks import nothing_left_behind  # noqa: F401  (autouse fixture)
 
 NOBODY = 65534
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
