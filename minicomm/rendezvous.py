@@ -443,7 +443,7 @@ class StoreServer:
                     return
                 try:
                     status, payload = self._handle(op, key.decode(), value, cid)
-                except (UnicodeDecodeError, struct.error, ValueError) as e:
+                except (UnicodeDecodeError, struct.error, ValueError, OverflowError) as e:
                     raise StoreProtocolError(f"malformed request (op {op}): {e}") from None
                 conn.sendall(_RESP.pack(status, len(payload)) + payload)
         except StoreProtocolError as e:       # a member broke the protocol: its connection ends
@@ -468,7 +468,7 @@ class StoreServer:
                     self._conn_member[cid] = json.loads(value.decode())
                 return status, payload
             if op == _OP_WAIT_WORLD:
-                timeout = struct.unpack("!d", value)[0]
+                timeout = _wait_seconds(value)
                 self._cond.wait_for(lambda: self._complete or self._closed
                                     or self._poisoned is not None, timeout)
                 if self._poisoned is not None:
@@ -491,7 +491,7 @@ class StoreServer:
                 self._cond.notify_all()
                 return _ST_OK, self._data[key]
             if op == _OP_GET:
-                timeout = struct.unpack("!d", value)[0]
+                timeout = _wait_seconds(value)
                 found = self._cond.wait_for(lambda: key in self._data or self._closed
                                             or self._poisoned is not None, timeout)
                 if self._poisoned is not None:
@@ -521,10 +521,14 @@ class StoreServer:
     def _join(self, value: bytes) -> Tuple[int, bytes]:
         """A rank joins (called with the lock held). See the module header for the rules."""
         try:
+            if len(value) > _MAX_JOIN:
+                raise ValueError("join record too long")
             rec = json.loads(value.decode())
+            if not isinstance(rec, dict):
+                raise TypeError("join record is not an object")
             job, size, rank = str(rec["job"]), int(rec["size"]), int(rec["rank"])
             member = str(rec["member"])
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
             return _ST_REFUSED, b"malformed join record"
         if self._job is None:
             self._job = (job, size)
@@ -577,6 +581,17 @@ class StoreServer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _wait_seconds(value: bytes) -> float:
+    """A get / wait_world timeout from the wire: 8 bytes, a finite number of seconds >= 0
+    (StoreProtocolError otherwise; at most a day)."""
+    if len(value) != 8:
+        raise StoreProtocolError(f"a wait needs an 8-byte timeout, got {len(value)} bytes")
+    t = struct.unpack("!d", value)[0]
+    if not (t >= 0.0 and t < float("inf")):
+        raise StoreProtocolError(f"wait timeout {t!r} is not a finite number of seconds >= 0")
+    return min(t, 86400.0)
 
 
 def _describe_job(identity: str, size: int) -> str:
@@ -641,6 +656,8 @@ class StoreClient:
             try:
                 _send_all(self._sock, _REQ.pack(op, len(k), len(value)) + k + value, deadline, what)
                 status, n = _RESP.unpack(_recv_exact(self._sock, _RESP.size, deadline, what))
+                if n > _MAX_VALUE + _MAX_JOIN * 64:
+                    raise StoreProtocolError(f"{what}: the store announced a {n}-byte reply")
                 payload = _recv_exact(self._sock, n, deadline, what) if n else b""
             except (OSError, CommError) as e:
                 # The stream may be mid-reply: never reuse it (a late answer would be taken for

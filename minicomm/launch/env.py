@@ -589,8 +589,8 @@ def store_bind(launch: Launch) -> str:
     raise BootstrapError(
         f"mc.init(): rank {launch.rank} hosts the rendezvous store, but {addr_from} gives "
         f"{addr!r}" + (f" ({ip})" if ip and ip != addr else "") + ", which is not an address "
-        f"of this host: set MASTER_ADDR to this host's address as the other ranks reach it, or "
-        f"MINICOMM_BIND to the local address to listen on (0.0.0.0 listens on every interface)")
+        "of this host: set MASTER_ADDR to this host's address as the other ranks reach it, or "
+        "MINICOMM_BIND to the local address to listen on (0.0.0.0 listens on every interface)")
 
 
 def _publish_host(launch: Launch) -> str:
