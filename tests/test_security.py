@@ -718,3 +718,17 @@ def test_tcp_listeners_bind_the_interface_that_reaches_the_store():
     assert world._peer_bind("127.0.0.1", Store()) == "127.0.0.1"
     assert world._peer_bind("localhost", Store()) == "127.0.0.1"
     assert world._peer_bind("192.0.2.1", Store()) == "192.0.2.10"
+
+
+def test_a_master_name_resolving_to_loopback_binds_the_outbound_interface_across_hosts(
+        monkeypatch):
+    """Debian maps the host's own name to 127.0.1.1: with ranks on several hosts the store must
+    not listen there (remote ranks could not reach it), nor on every interface."""
+    real = launch_env._resolve
+    monkeypatch.setattr(launch_env, "_resolve",
+                        lambda a: "127.0.1.1" if a == "myhost" else real(a))
+    env = dict(SLURM_JOB_ID="77", SLURM_STEP_ID="0", SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="4",
+               SLURM_STEP_NUM_NODES="2", MASTER_ADDR="myhost", MASTER_PORT="29400")
+    assert launch_env.store_bind(launch_env.detect(env)) == _this_host_ip()
+    generic = dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="myhost", MASTER_PORT="29400")
+    assert launch_env.store_bind(launch_env.detect(generic)) == "127.0.1.1"

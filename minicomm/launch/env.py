@@ -51,7 +51,9 @@ Where the store listens (``store_bind``). Only where the ranks will come from, n
 interface by default: loopback when the address the ranks use is loopback or every rank is on
 this host; otherwise the one interface that address names (MASTER_ADDR, or the address rank 0
 publishes through PMI / MPI), which must then be an address of this host (BootstrapError naming
-the variable otherwise). ``MINICOMM_BIND`` forces an address (``0.0.0.0``: every interface).
+the variable otherwise). ``MINICOMM_BIND`` forces an address (``0.0.0.0``: every interface). A host name that resolves
+to loopback here (Debian's ``127.0.1.1``) means loopback, unless the launcher says the ranks span
+hosts: then this host's address on its default route.
 Ranks on rank 0's host reach a store bound to one interface through that address, not loopback.
 
 Setup timeout. Under a foreign launcher, rendezvous (reaching rank 0's store, every rank
@@ -108,6 +110,7 @@ class Launch:
     port_from: str = ""
     host_store: bool = False      # this process hosts the rendezvous store
     bind: str = ""                # where the store listens when we host it ("": store_bind)
+    spans_hosts: bool = False     # the launcher says ranks run on more than one host
     token: Optional[bytes] = None  # a real token (MINICOMM_JOB_TOKEN, or random at bootstrap)
     job_id: Optional[str] = None
     bootstrap: str = "store"      # store (address known) | pmi | torch (agent store)
@@ -349,8 +352,10 @@ def _detect_torchrun(env) -> Optional[Launch]:
     if one_host:
         launch.addr, launch.addr_from = "127.0.0.1", "one torchrun agent (loopback)"
         launch.bind = "127.0.0.1"
-    elif group == 0:
-        launch.addr_from += " (rank 0's agent host; this agent's ranks use loopback)"
+    else:
+        launch.spans_hosts = bool(groups and groups > 1)
+        if group == 0:
+            launch.addr_from += " (rank 0's agent host)"
     forced, forced_from = _int(env, "MINICOMM_MASTER_PORT")
     if forced is not None:        # the user's own port: no agent store (no torch import)
         launch.port, launch.port_from, launch.host_store = forced, forced_from, rank == 0
@@ -383,6 +388,8 @@ def _detect_pmi(env) -> Optional[Launch]:
                     port_from="a free port rank 0 published in the PMI KVS")
     if local == size:
         launch.bind = "127.0.0.1"
+    elif local is not None:
+        launch.spans_hosts = True
     launch.pmi = {"fd": int(fd) if _fd_open(fd) else None, "port": port,
                   "id": env.get("PMI_ID")}
     return launch
@@ -410,6 +417,7 @@ def _detect_openmpi(env) -> Optional[Launch]:
     launch.port, launch.port_from = port, port_from
     nodes, _ = _int(env, "OMPI_MCA_orte_num_nodes")
     local, _ = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+    launch.spans_hosts = bool((nodes and nodes > 1) or (local is not None and local < size))
     forced = env.get("MINICOMM_MASTER_ADDR") or env.get("MASTER_ADDR")
     if forced:
         launch.addr = forced
@@ -446,6 +454,8 @@ def _is_local_address(addr: str, family: int = socket.AF_INET) -> bool:
 
 
 def _slurm_addr(env, launch: Launch) -> None:
+    nodes, _ = _int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES")
+    launch.spans_hosts = bool(nodes and nodes > 1)
     forced = env.get("MINICOMM_MASTER_ADDR") or env.get("MASTER_ADDR")
     if forced:
         launch.addr = forced
@@ -463,7 +473,6 @@ def _slurm_addr(env, launch: Launch) -> None:
     else:
         raise BootstrapError("mc.init(): srun gave no node list (SLURM_STEP_NODELIST); set "
                              "MASTER_ADDR")
-    nodes, _ = _int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES")
     if nodes == 1:                # one node: everyone reaches rank 0 on loopback
         launch.addr_from += " (one node: loopback)"
         launch.addr, launch.bind = "127.0.0.1", "127.0.0.1"
@@ -583,7 +592,13 @@ def store_bind(launch: Launch) -> str:
     if ip is not None:
         import ipaddress
         if ipaddress.ip_address(ip.split("%")[0]).is_loopback:
-            return ip
+            if not launch.spans_hosts or addr == "localhost" or _is_literal(addr):
+                return ip
+            # a host name that resolves to loopback here (Debian's 127.0.1.1) while the ranks
+            # span hosts: the others reach this host on its outbound interface
+            out = _outbound_address()
+            if out is not None:
+                return out
         if _is_local_address(ip, socket.AF_INET6 if ":" in ip else socket.AF_INET):
             return ip
     raise BootstrapError(
@@ -591,6 +606,26 @@ def store_bind(launch: Launch) -> str:
         f"{addr!r}" + (f" ({ip})" if ip and ip != addr else "") + ", which is not an address "
         "of this host: set MASTER_ADDR to this host's address as the other ranks reach it, or "
         "MINICOMM_BIND to the local address to listen on (0.0.0.0 listens on every interface)")
+
+
+def _is_literal(addr: str) -> bool:
+    import ipaddress
+    try:
+        ipaddress.ip_address(addr.split("%")[0])
+        return True
+    except ValueError:
+        return False
+
+
+def _outbound_address() -> Optional[str]:
+    """This host's address on its default route (a UDP connect sends nothing), else None."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))
+            addr = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if addr.startswith("127.") or addr == "0.0.0.0" else addr
 
 
 def _publish_host(launch: Launch) -> str:
