@@ -25,7 +25,9 @@ each (a blocking get must not delay the others); if that thread cannot be starte
 limit) the member's connection is closed and logged, and the accept loop lives on. Values are
 read as they arrive (memory follows bytes actually sent, up to ``_MAX_VALUE``). A key is written
 once: a second writer (another connection) with a different value poisons the store (see
-"Membership"), so a stranger who knows a derived token cannot silently redirect a rank.
+"Membership"), so a stranger who knows a derived token cannot silently redirect a rank. Once a
+rank has joined, a connection that has not joined may not read or write keys at all (refused,
+``RendezvousError``); a store used without joins (tests, tools) keeps the open key-value mode.
 ``StoreClient`` is thread-safe (one request at a time on its socket).
 
 Membership. A rank ``join``s the store before it uses it: (job identity, world size, rank, a
@@ -467,6 +469,13 @@ class StoreServer:
                 if status == _ST_OK:
                     self._conn_member[cid] = json.loads(value.decode())
                 return status, payload
+            if (op in (_OP_SET, _OP_ADD, _OP_GET) and self._members
+                    and cid not in self._conn_member):
+                # once ranks have joined, the store is theirs: a connection that did not join
+                # (a stranger who computed a derived token) may neither read nor write it
+                return _ST_REFUSED, (f"this rendezvous store serves the members of "
+                                     f"{_describe_job(*self._job)}; a connection that has not "
+                                     f"joined it may not read or write keys").encode()
             if op == _OP_WAIT_WORLD:
                 timeout = _wait_seconds(value)
                 self._cond.wait_for(lambda: self._complete or self._closed

@@ -732,3 +732,20 @@ def test_a_master_name_resolving_to_loopback_binds_the_outbound_interface_across
     assert launch_env.store_bind(launch_env.detect(env)) == _this_host_ip()
     generic = dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="myhost", MASTER_PORT="29400")
     assert launch_env.store_bind(launch_env.detect(generic)) == "127.0.1.1"
+
+
+def test_store_refuses_keys_to_connections_that_never_joined():
+    """Once ranks have joined, a stranger who holds the (derived) token but did not join can
+    neither write nor read keys; to write it must take a rank, which the real rank's arrival
+    detects (see test_launch_env's duplicate-rank tests)."""
+    token = new_token()
+    with StoreServer("127.0.0.1", 0, token) as server:
+        with StoreClient("127.0.0.1", server.port, token, timeout=10) as member, \
+                StoreClient("127.0.0.1", server.port, token, timeout=10) as stranger:
+            member.join("job-x", 2, 0)
+            member.set("addr/0", b"127.0.0.1:1234")
+            with pytest.raises(RendezvousError, match="not joined"):
+                stranger.set("addr/1", b"192.0.2.1:9")
+            with pytest.raises(RendezvousError, match="not joined"):
+                stranger.get("addr/0", timeout=1)
+            assert member.get("addr/0", timeout=5) == b"127.0.0.1:1234"
