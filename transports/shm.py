@@ -18,8 +18,10 @@ field before writing it, and a reader can see the zero). On x86-64 (TSO) that st
 the record. Weakly ordered CPUs (arm64) would need fences pure Python cannot issue: a known
 limitation of this transport.
 
-Waiting. Per peer pair one authenticated AF_UNIX stream connection (abstract name from the job id)
-carries doorbells. A waiting rank spins briefly on the rings, then raises the ``sleeping`` word of
+Waiting. Per peer pair one authenticated AF_UNIX stream connection carries doorbells. Each rank's
+listener has an abstract name with a random part, published in the store (a name guessed from
+the job id cannot be squatted first); connections from another uid are refused (SO_PEERCRED),
+and strays are handled as rendezvous.py describes (bounded, no thread each; dialers retry). A waiting rank spins briefly on the rings, then raises the ``sleeping`` word of
 its segment, fences, re-checks its rings once, and sleeps in epoll on these sockets
 (progress.py). After publishing records or freeing ring space for a peer, a rank fences and reads
 that peer's ``sleeping`` word, and writes one byte to the doorbell only if it is raised: an awake
@@ -72,6 +74,7 @@ import glob
 import mmap
 import os
 import re
+import secrets
 import socket
 import struct
 import sys
@@ -230,9 +233,12 @@ class ShmTransport(LinkEngine):
     # ---------------------------------------------------------------------------- setup
     def _setup(self, store, deadline: float) -> None:
         me, peers = self.rank, self.peer_ranks
+        # The listener's name has a random part (published below): nobody can bind it first.
+        # Its queue is the kernel's maximum, not the number of peers: strays may fill it.
+        nonce = secrets.token_hex(8)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self._sock_name(me))
-        self._listener.listen(len(peers))
+        self._listener.bind(self._sock_name(me, nonce))
+        self._listener.listen(socket.SOMAXCONN)
 
         ring = _default_ring_bytes(len(peers))
         chunk = min(CHUNK, ring // 4 // PAGE * PAGE)
@@ -269,18 +275,23 @@ class ShmTransport(LinkEngine):
             p.rx_ctl = head_bytes + i * (PAGE + ring)
             p.rx_data = p.rx_ctl + PAGE
             p.rx_q = memoryview(self._mm)[p.rx_ctl:p.rx_ctl + PAGE].cast("q")
-        store.set(f"shm/{me}", b"ready")      # segment and listener exist
+        store.set(f"shm/{me}", f"ready {nonce}".encode())   # segment and listener exist
 
+        nonces = {}
         for pr in peers:                       # map every peer's segment before any handshake
             left = deadline - time.monotonic()
             if left <= 0:
                 raise CommTimeout(f"rank {me}: shm setup timed out waiting for rank {pr}")
-            store.get(f"shm/{pr}", timeout=left)
-            self._attach(self._peers[pr])
+            ready = store.get(f"shm/{pr}", timeout=left).decode(errors="replace").split()
+            if len(ready) != 2 or ready[0] != "ready" or not _JOB_ID.fullmatch(ready[1]):
+                raise CommError(f"shm: rank {pr}'s setup record in the store is malformed")
+            nonces[pr] = ready[1]
+            self._attach(self._peers[pr], segment_path(self.job_id, pr))
 
         for pr in peers:
             if pr < me:
-                s = dial_peer(socket.AF_UNIX, self._sock_name(pr), self._token, me, pr, deadline)
+                s = dial_peer(socket.AF_UNIX, self._sock_name(pr, nonces[pr]), self._token, me,
+                              pr, deadline)
                 self._peers[pr].sock = s
         accepted = accept_peers(self._listener, self._token, me, [p for p in peers if p > me],
                                 deadline)
@@ -298,13 +309,17 @@ class ShmTransport(LinkEngine):
             p.fd = p.sock.fileno()
             self._progress.register(p.fd, lambda ev, p=p: self._on_doorbell(p))
 
-    def _sock_name(self, rank: int) -> str:
-        return f"\0minicomm-{self.job_id}-{rank}"
+    def _sock_name(self, rank: int, nonce: str) -> str:
+        return f"\0minicomm-{self.job_id}-{rank}-{nonce}"
 
-    def _attach(self, p: _Peer) -> None:
-        path = segment_path(self.job_id, p.rank)
-        fd = os.open(path, os.O_RDWR)
+    def _attach(self, p: _Peer, path: str) -> None:
         try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as e:
+            raise CommError(f"shm: cannot open rank {p.rank}'s segment {path} ({e.strerror}): "
+                            f"it failed or exited during setup") from None
+        try:
+            segment.check_owner(fd, path)     # a guessable name: trust only our own file
             mm = mmap.mmap(fd, 0, flags=_MAP_FLAGS)
         finally:
             os.close(fd)
