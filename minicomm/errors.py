@@ -72,6 +72,11 @@ def fingerprint_call(call: int) -> int:
     return (call & ~(31 | 15 << 9)) | _FINGERPRINT | (call & 31) << 9
 
 
+def call_reduces(call: int) -> bool:
+    """Whether the packed call ``call`` combines data with an op (its receives may reduce)."""
+    return (call >> 5) & 15 != 0
+
+
 def describe_call(tag) -> str:
     c = tag.call
     if (c & 31) == _FINGERPRINT and (c >> 9) & 15:
