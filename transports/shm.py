@@ -98,6 +98,19 @@ def sweep_job_segments(job_id: str) -> List[str]:
     return removed
 
 
+def _oversubscribed(local_ranks: int) -> bool:
+    """True if this node's ranks outnumber the cores this process may run on (then a spinning
+    rank must hand its core over between polls). ``MINICOMM_SPIN=yield|hot`` overrides."""
+    forced = os.environ.get("MINICOMM_SPIN", "").strip().lower()
+    if forced in ("yield", "hot"):
+        return forced == "yield"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return local_ranks > cores
+
+
 def _default_ring_bytes(npeers: int) -> int:
     env = os.environ.get("MINICOMM_SHM_RING_BYTES")
     if env:
@@ -119,7 +132,7 @@ class _Peer:
     __slots__ = ("rank", "sock", "fd", "flag_q", "tx_mm", "tx_u8", "tx_ctl", "tx_data", "tx_size",
                  "tx_head", "tx_tail", "tx_chunk", "txq", "tx_q", "rx_mm", "rx_u8", "rx_ctl",
                  "rx_data", "rx_size", "rx_q", "rx_head", "rx_tail", "rx_cur", "inbox", "owed",
-                 "closed")
+                 "closed", "rx_typed")
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -129,6 +142,7 @@ class _Peer:
         self.tx_head = self.tx_tail = 0
         self.rx_head = self.rx_tail = 0
         self.rx_cur = None
+        self.rx_typed: Dict[np.dtype, np.ndarray] = {}   # the inbound segment per dtype
         self.inbox = Inbox(rank)
         self.owed = False             # a doorbell is due at the end of this pass
         self.closed: Optional[str] = None
@@ -155,6 +169,8 @@ class ShmTransport(LinkEngine):
         self._cancelled: Dict[int, BaseException] = {}
         self._closed = False
         self._listener: Optional[socket.socket] = None
+        # ranks of this node outnumber its cores: a waiting rank yields its core between polls
+        self._spin_yields = _oversubscribed(len(self.peer_ranks) + 1)
         try:
             if self.peer_ranks:
                 self._setup(store, time.monotonic() + timeout)
@@ -303,6 +319,63 @@ class ShmTransport(LinkEngine):
                 self._ring_if_sleeping(p)
         return req
 
+    # ------------------------------------------------------- the small-message path's calls
+    small_bytes = EAGER               # what send_now / recv_now move (minicomm.smallpath)
+
+    def send_now(self, peer: int, buf: np.ndarray, tag: Tag) -> bool:
+        """Write a small message into ``peer``'s ring now, with no request object; False (nothing
+        written): no room now, a send to ``peer`` is queued, or the link is closed -- the caller
+        posts it with ``isend``."""
+        p = self._peers.get(peer) or self._peer(peer)
+        with self._lock:
+            if p.txq or p.closed is not None or buf.nbytes > EAGER or not self._put(p, buf, tag):
+                return False
+            fence()
+            self._ring_if_sleeping(p)
+        return True
+
+    def recv_now(self, peer: int, buf: np.ndarray, tag: Tag, reduce: Optional[ReduceFn],
+                 spin: float) -> bool:
+        """Take (or reduce) this receive's message if it is the next record of ``peer``'s ring,
+        waiting up to ``spin`` seconds for a record to arrive (polling the ring's head word, no
+        lock held; between polls a yield of the core when ranks outnumber cores). False (nothing
+        consumed): the caller posts it with ``irecv``."""
+        p = self._peers.get(peer) or self._peer(peer)
+        lock = self._lock
+        with lock:
+            if p.rx_cur is None and self._take(p, buf, tag, reduce):
+                return True
+        if spin <= 0.0 or p.rx_q is None:
+            return False
+        q, clock = p.rx_q, time.monotonic
+        end = clock() + spin
+        yield_ = self._spin_yields
+        while q[_HEAD] == p.rx_tail:
+            if clock() > end:
+                return False
+            if yield_:
+                os.sched_yield()
+        with lock:
+            return p.rx_cur is None and self._take(p, buf, tag, reduce)
+
+    def recv_now_many(self, waiting: list, tag: Tag, spin: float) -> list:
+        """``recv_now`` for receives from distinct peers, ``[(peer, buf, reduce), ...]``: takes
+        whichever arrive within ``spin`` seconds in all; returns the ones still waiting."""
+        lock = self._lock
+        end = time.monotonic() + spin
+        while True:
+            left = []
+            with lock:
+                for w in waiting:
+                    p = self._peers.get(w[0]) or self._peer(w[0])
+                    if not (p.rx_cur is None and self._take(p, w[1], tag, w[2])):
+                        left.append(w)
+            if not left or time.monotonic() > end:
+                return left
+            waiting = left
+            if self._spin_yields:
+                os.sched_yield()
+
     def _take(self, p: _Peer, buf: np.ndarray, tag: Tag, reduce: Optional[ReduceFn]) -> bool:
         """Receive a small message on the spot if it is the next record of the ring, whole, and
         no earlier receive of its communicator waits: no request object, no matching queue.
@@ -315,18 +388,36 @@ class ShmTransport(LinkEngine):
             p.rx_head = p.rx_q[_HEAD]
             if tail == p.rx_head:
                 return False
-        h = p.rx_data + tail % p.rx_size
+        pos = tail % p.rx_size
+        h = p.rx_data + pos
         comm, seq, _, call, count, total, off, c = _HDR.unpack_from(p.rx_mm, h)
+        if c < 0:                     # a wrap marker: the record is at the ring's start
+            tail += p.rx_size - pos
+            p.rx_tail = tail
+            p.rx_q[_TAIL] = tail
+            if tail == p.rx_head:
+                p.rx_head = p.rx_q[_HEAD]
+                if tail == p.rx_head:
+                    return False
+            h = p.rx_data
+            comm, seq, _, call, count, total, off, c = _HDR.unpack_from(p.rx_mm, h)
         n = buf.nbytes
         if not (c == total == n and comm == tag[0] and seq == tag[1] and call == tag[3]
                 and count == tag[4]) or not buf.flags.c_contiguous:
             return False              # a wrap marker, a chunk, another call: the usual path
         if n:
             flat = buf if buf.ndim == 1 else buf.reshape(-1)
+            dt = flat.dtype
+            ring = p.rx_typed.get(dt)
+            if ring is None:
+                # the whole segment as this dtype, made once: a record's payload is then one
+                # slice (records start on 64-byte boundaries, so every itemsize divides them)
+                ring = p.rx_typed[dt] = np.frombuffer(p.rx_mm, dtype=dt)
+            i = (h + HDR) // dt.itemsize
             if reduce is None:
-                flat.view(_U8)[...] = p.rx_u8[h + HDR:h + HDR + n]
+                flat[...] = ring[i:i + flat.shape[0]]
             else:
-                reduce(flat, np.ndarray(flat.shape, flat.dtype, p.rx_mm, h + HDR))
+                reduce(flat, ring[i:i + flat.shape[0]])
         tail += HDR + ((n + 63) & ~63)
         p.rx_tail = tail
         p.rx_q[_TAIL] = tail          # hand the space back
@@ -575,6 +666,7 @@ class ShmTransport(LinkEngine):
                 setattr(p, name, None)
             p.txq.clear()
             p.rx_cur = None
+            p.rx_typed = {}
         if self._flag_q is not None:
             self._flag_q.release()
             self._flag_q = None
