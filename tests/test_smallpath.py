@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import minicomm as mc
+from leaks import nothing_left_behind  # noqa: F401
 from minicomm.algorithms import FAMILIES, build_all, build_schedule
 from minicomm.schedule import COLLECTIVES, Copy, Recv, Reduce, Send
 from minicomm.smallpath import (

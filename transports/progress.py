@@ -59,6 +59,9 @@ UNEXPECTED_LIMIT = byte_setting("MINICOMM_UNEXPECTED_BYTES", 256 << 20)   # a pe
 EDGE = select.EPOLLIN | select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
 SPIN_S = 50e-6                        # spin about one blocking wake-up's cost, then sleep
 HOT_SPIN_S = 4e-6                     # poll without yielding first: the peer is usually running
+# A rank asleep on a futex word (shm alone) wakes at least this often to read its doorbell
+# sockets: a peer that died without a word (SIGKILL) is noticed within this bound.
+FUTEX_SLICE_S = 0.05
 _U8 = np.dtype(np.uint8)
 
 _fence_lock = threading.Lock()
@@ -269,7 +272,18 @@ class Progress:
                 os.write(self._wake_w, b"\x01")
             except (BlockingIOError, OSError):
                 pass                  # a wake-up is already pending
+            for e in self.engines:
+                kick = getattr(e, "kick", None)
+                if kick is not None:
+                    kick()            # a poller asleep on a futex word
             self.cv.notify_all()
+
+    def _futex_engine(self):
+        """The engine whose futex word the poller sleeps on: only when it is the only engine
+        (a tcp or routed peer needs epoll) and it offers one; else None."""
+        if len(self.engines) == 1 and getattr(self.engines[0], "futex_ok", False):
+            return self.engines[0]
+        return None
 
     def attach(self, engine, spin: bool) -> None:
         with self.lock:
@@ -368,9 +382,15 @@ class Progress:
                         self._waiters -= 1
                     continue
                 else:
-                    for e in self.engines:
-                        e.sleep(True)
-                    fence()
+                    fx = self._futex_engine()
+                    if fx is not None:
+                        fx.sleep(2)               # asleep on the futex word (shm.py)
+                        fence()
+                        fx_value = fx.futex_value()
+                    else:
+                        for e in self.engines:
+                            e.sleep(True)
+                        fence()
                     if self._pass():              # arrived before our flag was visible
                         for e in self.engines:
                             e.sleep(False)
@@ -387,7 +407,11 @@ class Progress:
                 continue
             events = ()
             try:
-                events = self.ep.poll(left)
+                if fx is not None:
+                    fx.futex_block(fx_value, min(left, FUTEX_SLICE_S))
+                    events = self.ep.poll(0)      # doorbell sockets: a peer's EOF or abort
+                else:
+                    events = self.ep.poll(left)
             except (OSError, ValueError):         # closed by another thread: next pass raises
                 pass
             finally:

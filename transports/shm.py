@@ -49,7 +49,7 @@ import numpy as np
 
 from minicomm.errors import CommError, CommTimeout
 from minicomm.rendezvous import accept_peers, dial_peer
-from . import segment
+from . import futex, segment
 from .base import ReduceFn, Request, Tag
 from .progress import CLEAN_CLOSE, Inbox, LinkEngine, Progress, Req, deliver, fence
 
@@ -59,12 +59,15 @@ HDR = 64                              # record header: 8 int64
 CHUNK = 1 << 20                       # streaming unit of large messages
 EARLY_RING = 64 << 10                 # ring the doorbell at once after a record this large
 EAGER = 16 << 10                      # isend/irecv move a message this small on the spot
+SMALL_HOT_S = 10e-6                   # recv_now polls this long without yielding (see there)
 _U8 = np.dtype(np.uint8)
 _MAGIC = b"MCSHM\x00\x01\x00"
 _HDR = struct.Struct("@8q")           # record header; written before head publishes it
 _SEG = struct.Struct("@8sqqqq")       # magic, owner rank, ring bytes, chunk bytes, number of rings
 _HEAD, _TAIL = 0, 16                  # int64 index in a ring's control page (own cache lines)
 _SLEEPING = 32                        # int64 index in the segment's first page: owner may sleep
+_SLEEP_SOCKET, _SLEEP_FUTEX = 1, 2    # its values while asleep: on the sockets / on the futex word
+_FUTEX_WORD = 80                      # int32 index (byte 320, its own cache line): the futex word
 _RANKS_AT = 512                       # byte offset of the senders' ranks, after the flag's line
 _NOWAIT = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
 # Fault the pages in at setup, not on the first large transfer.
@@ -132,7 +135,7 @@ class _Peer:
     __slots__ = ("rank", "sock", "fd", "flag_q", "tx_mm", "tx_u8", "tx_ctl", "tx_data", "tx_size",
                  "tx_head", "tx_tail", "tx_chunk", "txq", "tx_q", "rx_mm", "rx_u8", "rx_ctl",
                  "rx_data", "rx_size", "rx_q", "rx_head", "rx_tail", "rx_cur", "inbox", "owed",
-                 "closed", "rx_typed")
+                 "closed", "rx_typed", "futex_i", "futex_addr")
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -143,6 +146,8 @@ class _Peer:
         self.rx_head = self.rx_tail = 0
         self.rx_cur = None
         self.rx_typed: Dict[np.dtype, np.ndarray] = {}   # the inbound segment per dtype
+        self.futex_i = None           # the peer's first page as int32 words (its futex word)
+        self.futex_addr = 0
         self.inbox = Inbox(rank)
         self.owed = False             # a doorbell is due at the end of this pass
         self.closed: Optional[str] = None
@@ -164,6 +169,11 @@ class ShmTransport(LinkEngine):
         self._active: Dict[_Peer, None] = {}     # peers with queued work (an ordered set)
         self._mm: Optional[mmap.mmap] = None
         self._flag_q = None                       # our segment's first page as int64 words
+        self._futex_i = None                      # ... and as int32 words (our futex word)
+        self._futex_addr = 0
+        self._wake_seq = 0
+        self.futex_ok = False                     # the progress engine may sleep on our word
+        self.futex_sleeps = 0                     # how often it did (tests, profiles)
         self._path: Optional[str] = None
         self._aborted: Optional[str] = None
         self._cancelled: Dict[int, BaseException] = {}
@@ -215,6 +225,10 @@ class ShmTransport(LinkEngine):
         _SEG.pack_into(self._mm, 0, _MAGIC, me, ring, chunk, len(peers))
         struct.pack_into(f"@{len(peers)}q", self._mm, _RANKS_AT, *peers)
         self._flag_q = memoryview(self._mm)[:PAGE].cast("q")
+        self._futex_i = memoryview(self._mm)[:PAGE].cast("i")
+        if futex.AVAILABLE:
+            self._futex_addr = futex.address_of(self._mm, _FUTEX_WORD * 4)
+            self.futex_ok = True
         own_u8 = np.frombuffer(self._mm, dtype=np.uint8)
         for i, pr in enumerate(peers):
             p = self._peers[pr]
@@ -271,6 +285,9 @@ class ShmTransport(LinkEngine):
         p.tx_data = p.tx_ctl + PAGE
         p.tx_q = memoryview(mm)[p.tx_ctl:p.tx_ctl + PAGE].cast("q")
         p.flag_q = memoryview(mm)[:PAGE].cast("q")
+        p.futex_i = memoryview(mm)[:PAGE].cast("i")
+        if futex.AVAILABLE:
+            p.futex_addr = futex.address_of(mm, _FUTEX_WORD * 4)
 
     # ------------------------------------------------------------------------- data path
     def _peer(self, peer: int) -> _Peer:
@@ -348,12 +365,16 @@ class ShmTransport(LinkEngine):
         if spin <= 0.0 or p.rx_q is None:
             return False
         q, clock = p.rx_q, time.monotonic
-        end = clock() + spin
-        yield_ = self._spin_yields
+        now = clock()
+        end = now + spin
+        # poll hot for a few microseconds (a running peer answers within that), then hand the
+        # core over between polls; at once when ranks outnumber cores
+        hot_end = now if self._spin_yields else now + SMALL_HOT_S
         while q[_HEAD] == p.rx_tail:
-            if clock() > end:
+            now = clock()
+            if now > end:
                 return False
-            if yield_:
+            if now > hot_end:
                 os.sched_yield()
         with lock:
             return p.rx_cur is None and self._take(p, buf, tag, reduce)
@@ -474,9 +495,44 @@ class ShmTransport(LinkEngine):
                     self._ring_if_sleeping(p)
         return moved
 
-    def sleep(self, flag: bool) -> None:
+    def sleep(self, flag) -> None:
+        """Raise (``True``: asleep on the doorbell sockets; ``_SLEEP_FUTEX``: on the futex word)
+        or lower our sleeping flag, which peers read before deciding to wake us."""
         if self._flag_q is not None:
             self._flag_q[_SLEEPING] = int(flag)
+
+    def futex_value(self) -> int:
+        """Our futex word, read after the flag is raised and before the last pass (Progress)."""
+        return self._futex_i[_FUTEX_WORD]
+
+    def futex_block(self, value: int, timeout: float) -> None:
+        """Sleep on our futex word while it still holds ``value``, at most ``timeout`` s."""
+        addr = self._futex_addr
+        if addr:
+            self.futex_sleeps += 1
+            try:
+                futex.wait(addr, value, timeout)
+            except OSError:
+                pass                  # unmapped under us by close(): the next pass raises
+
+    def kick(self) -> None:
+        """Wake our own futex sleeper (another thread cancelled or closed something)."""
+        if self._futex_i is not None and self._futex_addr:
+            self._futex_i[_FUTEX_WORD] = self._next_wake_value()
+            futex.wake(self._futex_addr, 1 << 30)
+
+    def _next_wake_value(self) -> int:
+        # unique per (waker, wake): a waker can never write back the value a sleeper read
+        self._wake_seq = (self._wake_seq + 1) & 0xFFFFFF
+        return self._wake_seq << 7 | (self.rank & 0x7F)
+
+    def _futex_wake(self, p: _Peer) -> None:
+        if p.futex_i is not None and p.futex_addr:
+            p.futex_i[_FUTEX_WORD] = self._next_wake_value()
+            try:
+                futex.wake(p.futex_addr, 1 << 30)
+            except OSError:
+                pass                  # cannot happen while mapped; never fail a send for it
 
     def _push(self, p: _Peer) -> bool:
         """Write records of the queued sends into the outbound ring while it has room."""
@@ -578,7 +634,11 @@ class ShmTransport(LinkEngine):
     def _ring_if_sleeping(self, p: _Peer) -> None:
         """Ring ``p``'s doorbell if it may be asleep; the caller fenced after its last store."""
         p.owed = False
-        if not p.flag_q[_SLEEPING] or p.sock is None:
+        asleep = p.flag_q[_SLEEPING]
+        if not asleep or p.sock is None:
+            return
+        if asleep == _SLEEP_FUTEX and p.futex_addr:
+            self._futex_wake(p)
             return
         try:
             p.sock.send(_WAKE, _NOWAIT)
@@ -629,6 +689,7 @@ class ShmTransport(LinkEngine):
                     p.sock.shutdown(socket.SHUT_WR)
                 except OSError:
                     pass
+                self._futex_wake(p)   # a peer asleep on its word reads the reason now
 
     def close(self) -> None:
         with self._lock:
@@ -643,6 +704,7 @@ class ShmTransport(LinkEngine):
                         p.sock.send(_BYE, _NOWAIT)    # orderly: peers tell it from a crash
                     except OSError:
                         pass
+                    self._futex_wake(p)
         self._progress.detach(self)
         self._teardown()
 
@@ -658,11 +720,12 @@ class ShmTransport(LinkEngine):
                 p.sock = None
             if getattr(p, "tx_mm", None) is not None:
                 maps.append(p.tx_mm)
-            for name in ("tx_q", "rx_q", "flag_q"):  # release the exports before unmapping
+            p.futex_addr = 0
+            for name in ("tx_q", "rx_q", "flag_q", "futex_i"):  # release the exports first
                 view = getattr(p, name, None)
                 if view is not None:
                     view.release()
-            for name in ("tx_mm", "tx_u8", "tx_q", "rx_mm", "rx_u8", "rx_q", "flag_q"):
+            for name in ("tx_mm", "tx_u8", "tx_q", "rx_mm", "rx_u8", "rx_q", "flag_q", "futex_i"):
                 setattr(p, name, None)
             p.txq.clear()
             p.rx_cur = None
@@ -670,6 +733,10 @@ class ShmTransport(LinkEngine):
         if self._flag_q is not None:
             self._flag_q.release()
             self._flag_q = None
+        self.futex_ok, self._futex_addr = False, 0
+        if self._futex_i is not None:
+            self._futex_i.release()
+            self._futex_i = None
         if self._mm is not None:
             maps.append(self._mm)
             self._mm = None
