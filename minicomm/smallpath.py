@@ -43,15 +43,19 @@ _new_tag = tuple.__new__
 # The longest a receive waits on the spot for its message before it is posted and the transport's
 # wait (which spins briefly, then sleeps) takes over: a peer that is running answers well within.
 SMALL_SPIN_S = 40e-6
+# stands in a decompiled step for a "whole buffer" flag that does not describe its op (so the
+# step can never equal the schedule's)
+_WRONG_WHOLE = Copy("whole-flag", 0, "whole-flag", 0, -1)
 
 
 class SmallPlan:
     """A schedule compiled for the small-message path (module doc).
 
     ``steps``: per communicating or local step ``(index, local, sends, recvs)``; ``local`` holds
-    ``(reduce?, src buffer, src offset, dst buffer, dst offset, count)``, ``sends``
-    ``(world peer, buffer, lo, hi)``, ``recvs`` ``(world peer, buffer, lo, hi, reduce?)``; buffers
-    are indices into (in, out, tmp), offsets in elements."""
+    ``(reduce?, src buffer, src offset, dst buffer, dst offset, count, whole)``, ``sends``
+    ``(world peer, buffer, lo, hi, whole)``, ``recvs`` ``(world peer, buffer, lo, hi, reduce?,
+    whole)``; buffers are indices into (in, out, tmp), offsets in elements; ``whole`` says the
+    regions are entire buffers (no view to cut)."""
     __slots__ = ("steps", "tmp_count", "group", "schedule")
 
     def __init__(self, steps, tmp_count: int, group: Tuple[int, ...], schedule: Schedule):
@@ -77,18 +81,25 @@ def compile_small(schedule: Schedule, group: Sequence[int]) -> SmallPlan:
     """Compile ``schedule`` (communicator ranks) for the communicator whose world ranks are
     ``group``; the result is checked against the schedule (``check_compiled``)."""
     group = tuple(group)
+    sizes = {IN: schedule.in_count, OUT: schedule.out_count, TMP: schedule.tmp_count}
+
+    def whole(buf: str, off: int, n: int) -> bool:
+        return off == 0 and n == sizes[buf]
     steps = []
     for i, st in enumerate(schedule.steps):
         local, sends, recvs = [], [], []
         for o in st:
             if isinstance(o, Send):
-                sends.append((group[o.peer], _INDEX[o.buf], o.offset, o.offset + o.count))
+                sends.append((group[o.peer], _INDEX[o.buf], o.offset, o.offset + o.count,
+                              whole(o.buf, o.offset, o.count)))
             elif isinstance(o, Recv):
                 recvs.append((group[o.peer], _INDEX[o.buf], o.offset, o.offset + o.count,
-                              bool(o.reduce)))
+                              bool(o.reduce), whole(o.buf, o.offset, o.count)))
             else:
                 local.append((isinstance(o, Reduce), _INDEX[o.src], o.src_offset,
-                              _INDEX[o.dst], o.dst_offset, o.count))
+                              _INDEX[o.dst], o.dst_offset, o.count,
+                              whole(o.src, o.src_offset, o.count)
+                              and whole(o.dst, o.dst_offset, o.count)))
         steps.append((i, tuple(local), tuple(sends), tuple(recvs)))
     plan = SmallPlan(tuple(steps), schedule.tmp_count, group, schedule)
     check_compiled(plan, schedule)
@@ -103,12 +114,19 @@ def decompile(plan: SmallPlan) -> Schedule:
     steps = []
     for _, local, sends, recvs in plan.steps:
         ops = []
-        for red, sb, so, db, do, n in local:
+        sizes = (s.in_count, s.out_count, plan.tmp_count)
+        for red, sb, so, db, do, n, whole in local:
             ops.append((Reduce if red else Copy)(_BUFS[sb], so, _BUFS[db], do, n))
-        for peer, b, lo, hi, red in recvs:
+            if whole and not (so == do == 0 and n == sizes[sb] == sizes[db]):
+                ops.append(_WRONG_WHOLE)
+        for peer, b, lo, hi, red, whole in recvs:
             ops.append(Recv(rank_of[peer], _BUFS[b], lo, hi - lo, red))
-        for peer, b, lo, hi in sends:
+            if whole != (lo == 0 and hi == sizes[b]):
+                ops.append(_WRONG_WHOLE)
+        for peer, b, lo, hi, whole in sends:
             ops.append(Send(rank_of[peer], _BUFS[b], lo, hi - lo))
+            if whole != (lo == 0 and hi == sizes[b]):
+                ops.append(_WRONG_WHOLE)
         steps.append(tuple(ops))
     return Schedule(s.collective, s.algorithm, s.rank, s.size, s.count, s.root, steps,
                     s.in_count, s.out_count, plan.tmp_count)
@@ -156,25 +174,28 @@ def run_small(plan: SmallPlan, transport, bufs, kernel, tag: Tag, deadline: floa
     if spin is None:
         spin = SMALL_SPIN_S
     for i, local, sends, recvs in plan.steps:
-        for red, sb, so, db, do, n in local:
-            d = bufs[db][do:do + n]
-            if red:
-                kernel(d, bufs[sb][so:so + n])
+        for red, sb, so, db, do, n, whole in local:
+            if whole:
+                d, src = bufs[db], bufs[sb]
             else:
-                d[...] = bufs[sb][so:so + n]
+                d, src = bufs[db][do:do + n], bufs[sb][so:so + n]
+            if red:
+                kernel(d, src)
+            else:
+                d[...] = src
         if not (sends or recvs):
             continue
         t = _new_tag(Tag, (comm, seq, i, call, count))
         reqs = None
-        for peer, b, lo, hi in sends:
-            v = bufs[b][lo:hi]
+        for peer, b, lo, hi, whole in sends:
+            v = bufs[b] if whole else bufs[b][lo:hi]
             if not send_now(peer, v, t):
                 if reqs is None:
                     reqs = []
                 reqs.append(transport.isend(peer, v, t))
         if len(recvs) == 1:
-            peer, b, lo, hi, red = recvs[0]
-            v = bufs[b][lo:hi]
+            peer, b, lo, hi, red, whole = recvs[0]
+            v = bufs[b] if whole else bufs[b][lo:hi]
             k = kernel if red else None
             if not recv_now(peer, v, t, k, spin if reqs is None else 0.0):
                 if reqs is None:
@@ -183,7 +204,7 @@ def run_small(plan: SmallPlan, transport, bufs, kernel, tag: Tag, deadline: floa
         elif recvs:
             # several peers: take whichever has arrived, for at most ``spin`` in all
             waiting = [(peer, bufs[b][lo:hi], kernel if red else None)
-                       for peer, b, lo, hi, red in recvs]
+                       for peer, b, lo, hi, red, _ in recvs]
             waiting = transport.recv_now_many(waiting, t, spin if reqs is None else 0.0)
             if waiting:
                 if reqs is None:

@@ -60,8 +60,8 @@ def test_check_compiled_catches_a_wrong_plan():
 
     def wrong_offset(steps):
         i = next(k for k, st in enumerate(steps) if st[2])
-        peer, b, lo, hi = steps[i][2][0]
-        steps[i][2] = ((peer, b, lo + 1, hi + 1),) + tuple(steps[i][2][1:])
+        peer, b, lo, hi, whole = steps[i][2][0]
+        steps[i][2] = ((peer, b, lo + 1, hi + 1, whole),) + tuple(steps[i][2][1:])
 
     def dropped_recv(steps):
         i = next(k for k, st in enumerate(steps) if st[3])
@@ -69,8 +69,13 @@ def test_check_compiled_catches_a_wrong_plan():
 
     def flipped_reduce(steps):
         i = next(k for k, st in enumerate(steps) if st[3])
-        peer, b, lo, hi, red = steps[i][3][0]
-        steps[i][3] = ((peer, b, lo, hi, not red),) + tuple(steps[i][3][1:])
+        peer, b, lo, hi, red, whole = steps[i][3][0]
+        steps[i][3] = ((peer, b, lo, hi, not red, whole),) + tuple(steps[i][3][1:])
+
+    def wrong_whole_flag(steps):
+        i = next(k for k, st in enumerate(steps) if st[3])
+        peer, b, lo, hi, red, whole = steps[i][3][0]
+        steps[i][3] = ((peer, b, lo, hi, red, not whole),) + tuple(steps[i][3][1:])
 
     def local_copy_for_reduce(steps):
         i = next(k for k, st in enumerate(steps) if st[1])
@@ -81,7 +86,7 @@ def test_check_compiled_catches_a_wrong_plan():
         steps[0][0] = 5
 
     for corrupt in (wrong_offset, dropped_recv, flipped_reduce, local_copy_for_reduce,
-                    renumbered):
+                    wrong_whole_flag, renumbered):
         with pytest.raises(VerificationError):
             check_compiled(_tampered(sp, corrupt), s)
 
