@@ -455,7 +455,16 @@ class ShmTransport(LinkEngine):
         pos = head % size
         need = HDR + ((n + 63) & ~63)
         if need > size - pos or need > size - head + p.tx_tail:
-            return False
+            p.tx_tail = tail = p.tx_q[_TAIL]          # the cached tail may be stale
+            if need > size - pos and size - head + tail >= size - pos + need:
+                # no room before the ring's end, room at its start: a wrap marker first
+                _HDR.pack_into(p.tx_mm, p.tx_data + pos, 0, 0, 0, 0, 0, 0, 0, -1)
+                head += size - pos
+                p.tx_head = head
+                p.tx_q[_HEAD] = head
+                pos = 0
+            if need > size - pos or need > size - head + tail:
+                return False
         if not buf.flags.c_contiguous:
             raise ValueError("transport buffers must be contiguous")
         h = p.tx_data + pos
