@@ -246,6 +246,7 @@ class Progress:
         self.cv = threading.Condition(self.lock)
         self.engines: List = []
         self.spin = False             # spin before blocking: some engine polls memory
+        self.hot_spin = HOT_SPIN_S    # poll without yielding first (0: ranks outnumber cores)
         self._handlers: Dict[int, Callable[[int], None]] = {}
         self._polling = False
         self._waiters = 0             # threads in cv.wait: notify only when there are some
@@ -289,6 +290,8 @@ class Progress:
         with self.lock:
             self.engines.append(engine)
             self.spin = self.spin or spin
+            if getattr(engine, "oversubscribed", False):
+                self.hot_spin = 0.0   # a peer may need our core: yield from the first poll
 
     def register(self, fd: int, handler: Callable[[int], None]) -> None:
         """``handler(events)`` runs under the lock after ``epoll_wait`` reports ``fd``."""
@@ -339,8 +342,9 @@ class Progress:
         # then poll with os.sched_yield between passes (a peer that shares our core, with more
         # ranks than cores or other load on the machine, gets it), then block.
         hot_until = spin_until = started
+        hot = self.hot_spin
         if self.spin:
-            hot_until += HOT_SPIN_S
+            hot_until += hot
             spin_until += SPIN_S
         while True:
             lock.acquire()
@@ -370,7 +374,7 @@ class Progress:
                     raise CommError(f"{what}: transport is closed")
                 if moved:
                     if self.spin:
-                        hot_until, spin_until = now + HOT_SPIN_S, now + SPIN_S
+                        hot_until, spin_until = now + hot, now + SPIN_S
                     continue
                 if now < spin_until:
                     block = False
@@ -428,7 +432,7 @@ class Progress:
             # after a wake-up, spin again: the next message often follows closely
             if self.spin:
                 now = time.monotonic()
-                hot_until, spin_until = now + HOT_SPIN_S, now + SPIN_S
+                hot_until, spin_until = now + hot, now + SPIN_S
 
 
 def _timeout(pending: Req, reqs: List[Req], what: str, waited: float) -> CommTimeout:

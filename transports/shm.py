@@ -19,14 +19,23 @@ the record. Weakly ordered CPUs (arm64) would need fences pure Python cannot iss
 limitation of this transport.
 
 Waiting. Per peer pair one authenticated AF_UNIX stream connection (abstract name from the job id)
-carries doorbells. A waiting rank spins briefly on the rings, then raises the ``sleeping`` word of
-its segment, fences, re-checks its rings once, and sleeps in epoll on these sockets
-(progress.py). After publishing records or freeing ring space for a peer, a rank fences and reads
-that peer's ``sleeping`` word, and writes one byte to the doorbell only if it is raised: an awake
-peer costs no system call. The two fences make the handshake sound (Dekker): either the sleeper's
-re-check sees the new head/tail, or the publisher sees the flag and rings. A full doorbell socket
-means unread doorbells are already pending, so a failed (EAGAIN) ring loses nothing. A dead peer's
-kernel closes its end: EOF -> PeerFailure, with no heartbeat. ``abort`` sends a reason first.
+carries doorbells. A waiting rank polls its rings (hot for a few microseconds, then yielding its
+core between polls: at once when the node's ranks outnumber its cores, ``MINICOMM_SPIN=yield|hot``
+overrides), then raises the ``sleeping`` word of its segment, fences, re-checks its rings once,
+and sleeps: on the *futex word* of its segment (``sleeping`` = 2; futex.py, ctypes) when shm is
+the only engine of its progress loop, else in epoll on these sockets (``sleeping`` = 1). After
+publishing records or freeing ring space for a peer, a rank fences and reads that peer's
+``sleeping`` word: 0 costs nothing (an awake peer), 2 a store of a fresh value into the peer's
+futex word and one ``futex(FUTEX_WAKE)``, 1 one byte on the doorbell socket. The two fences make
+the handshake sound (Dekker): either the sleeper's re-check sees the new head/tail, or the
+publisher sees the flag and wakes it; the futex sleeper reads its word *before* the re-check, and
+the kernel sleeps only while the word still holds that value, so a wake between the two is never
+lost (every wake writes a value no waker wrote before: its own counter and rank). A full doorbell
+socket means unread doorbells are already pending, so a failed (EAGAIN) ring loses nothing. A
+futex sleeper wakes at least every 50 ms to read its doorbell sockets. A dead peer's kernel closes
+its end: EOF -> PeerFailure, with no heartbeat. ``abort`` and ``close`` send a reason (or goodbye)
+on the socket and then wake the peer's futex word. ``MINICOMM_FUTEX=0`` (or a platform without
+futexes) keeps the socket doorbells only.
 
 Lifetime. A segment is unlinked as soon as every peer has attached to it (every peer maps all
 segments of its node before it completes the doorbell handshake, so a finished handshake with every
@@ -180,7 +189,7 @@ class ShmTransport(LinkEngine):
         self._closed = False
         self._listener: Optional[socket.socket] = None
         # ranks of this node outnumber its cores: a waiting rank yields its core between polls
-        self._spin_yields = _oversubscribed(len(self.peer_ranks) + 1)
+        self._spin_yields = self.oversubscribed = _oversubscribed(len(self.peer_ranks) + 1)
         try:
             if self.peer_ranks:
                 self._setup(store, time.monotonic() + timeout)
