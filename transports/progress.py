@@ -6,9 +6,12 @@ posted request of every engine attached to this ``Progress``, not only the calle
 ring step sends and receives at once, the messages of one communicator never wait behind another's
 unprogressed ones, and a routed rank drives shm and tcp peers in the same loop.
 
-Waiting. After a pass that moved nothing, the caller spins briefly (``os.sched_yield`` between
+Waiting. After a pass that moved nothing, the caller spins briefly (hot for ``HOT_SPIN_S``
+unless an engine says its node's ranks outnumber the cores, then ``os.sched_yield`` between
 passes, so ranks sharing a core hand it over), then blocks in ``epoll_wait`` on every engine's file
-descriptors until the deadline. Before blocking it tells the engines (``sleep(True)``: shm raises
+descriptors until the deadline -- or, when the only engine is shm with a futex word
+(``futex_ok``), in ``futex(FUTEX_WAIT)`` on that word, in slices of ``FUTEX_SLICE_S`` after each of
+which ``epoll_wait(0)`` reads the doorbell sockets (a peer's EOF or abort). Before blocking it tells the engines (``sleep(True)``: shm raises
 a flag its peers read before deciding to ring a doorbell), issues a full fence, and makes one
 last pass: what arrived before the flag was visible is found by that pass, what arrives after it
 rings. All descriptors are edge-triggered: an edge means "something changed, look again"; engines
