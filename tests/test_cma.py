@@ -132,6 +132,7 @@ def _small_receive_behind_a_descriptor(comm):
     # both records are in its ring, takes the small one with recv_now (the small-message path):
     # the descriptor must read as a record of another context, not as a wrap marker.
     import time
+
     from minicomm.transports.base import Tag
     from minicomm.transports.shm import _HEAD
     t = comm.transport
