@@ -107,6 +107,9 @@ class LinkModel:
     intra: str = "shm"     # transport names, the tuned table's key
     inter: str = "tcp"
     spin: float = SPIN_S   # a waiting rank spins this long, then sleeps (wake applies)
+    # this machine's memory by working set: ((bytes, δ s/B, γ s/B, contention), ...) sorted by
+    # bytes (``minicomm.tuning.links.measure_memory``); empty: δ, γ and contention above for all
+    memory: Tuple[Tuple[float, float, float, float], ...] = ()
     # (collective, world, topology, intra, inter) -> ((bytes, family), ...) sorted by bytes
     table: Dict[TableKey, Tuple[Tuple[int, str], ...]] = field(default_factory=dict, hash=False)
     _choices: Dict[Tuple, str] = field(default_factory=dict, compare=False, hash=False,
@@ -175,34 +178,74 @@ def model_costs(collective: str, p: int, nbytes: int, topology: Tuple[int, ...],
 
 
 # ---------------------------------------------------------------------------------- simulator
-def host_model(m: LinkModel) -> HostModel:
+def memory_at(m: LinkModel, working_set: float) -> Tuple[float, float, float]:
+    """(δ, γ, contention) of this machine for a call touching ``working_set`` bytes per buffer:
+    log-linear between the measured rows of ``m.memory`` (clamped at its ends). A 64 KiB copy
+    runs from the caches at several times the speed of a 64 MiB one, and two ranks copying at
+    once slow each other down by the memory bandwidth they share; without a table, the model's
+    single δ, γ and contention."""
+    rows = m.memory
+    if not rows:
+        return m.delta, m.gamma, m.contention
+    if working_set <= rows[0][0]:
+        return rows[0][1:]
+    if working_set >= rows[-1][0]:
+        return rows[-1][1:]
+    for lo, hi in zip(rows, rows[1:]):
+        if working_set <= hi[0]:
+            w = math.log(working_set / lo[0]) / math.log(hi[0] / lo[0])
+            return tuple(a + w * (b - a) for a, b in zip(lo[1:], hi[1:]))   # type: ignore
+    return rows[-1][1:]
+
+
+# Transports whose bytes cross memory as a copy in by the sender and a copy (or reduction) out by
+# the receiver, both user-space memcpy (shm's rings; inproc hands over the array and copies out
+# once, so it is not here): their β is 2 δ of the call's working set when the memory is measured.
+COPY_TRANSPORTS = ("shm",)
+
+
+def host_model(m: LinkModel, working_set: float = 0.0) -> HostModel:
     """The simulator engine's machine for a LinkModel: ranks are processes on their node's cores
     (minicomm.sim.engine.run_host), with this model's α, β, o per link class, γ, δ, wake,
-    contention, cores and spin."""
-    hm = _host_models.get(m)
+    contention, cores and spin. With a measured memory table (``LinkModel.memory``) δ, γ and
+    contention are those of the call's working set, and a copying transport's β is 2 δ
+    (``COPY_TRANSPORTS``: copy-in by the sender, copy-out by the receiver)."""
+    key = (m, working_set if m.memory else 0.0)
+    hm = _host_models.get(key)
     if hm is None:
+        delta, gamma, contention = memory_at(m, working_set)
+
+        def beta(kind: str, fitted: float) -> float:
+            return 2 * delta if m.memory and kind in COPY_TRANSPORTS else fitted
         hm = HostModel(
-            HostLink(m.alpha_intra, m.beta_intra, m.overhead_intra,
+            HostLink(m.alpha_intra, beta(m.intra, m.beta_intra), m.overhead_intra,
                      PIPELINE_CHUNK.get(m.intra, STREAM_CHUNK)),
-            HostLink(m.alpha_inter, m.beta_inter, m.overhead_inter,
+            HostLink(m.alpha_inter, beta(m.inter, m.beta_inter), m.overhead_inter,
                      PIPELINE_CHUNK.get(m.inter, STREAM_CHUNK)),
-            gamma=m.gamma, delta=m.delta, wake=m.wake, contention=m.contention, cores=m.cores,
+            gamma=gamma, delta=delta, wake=m.wake, contention=contention, cores=m.cores,
             spin=m.spin, sharing_loss=SHARING_LOSS)
-        if len(_host_models) > 64:
+        if len(_host_models) > 256:
             _host_models.clear()
-        _host_models[m] = hm
+        _host_models[key] = hm
     return hm
 
 
-_host_models: Dict[LinkModel, HostModel] = {}
+_host_models: Dict[Tuple[LinkModel, float], HostModel] = {}
 
 
 def schedule_time(collective: str, fam: str, p: int, count: int, topology: Tuple[int, ...],
-                  m: LinkModel, itemsize: int = ITEMSIZE) -> float:
+                  m: LinkModel, itemsize: int = ITEMSIZE, calls: int = 1) -> float:
     """Predicted seconds of one call: the schedules of all p ranks, compiled by the simulator
-    engine (its own cache: the executor's schedules are not evicted), run on ``host_model(m)``."""
+    engine (its own cache: the executor's schedules are not evicted), run on ``host_model(m)``.
+    ``calls`` > 1: the time per call of that many calls issued back to back by every rank (as a
+    benchmark's batch or a training loop does: a rank that finished its part of call k starts
+    call k + 1, so calls overlap where the schedule lets them)."""
     prog = engine.program_for(collective, fam, p, count, 0, tuple(topology))
-    return engine.run_host(prog, tuple(topology), host_model(m), itemsize).time_s
+    if calls > 1:
+        prog = engine.repeat_program(prog, calls)
+    working_set = engine.bytes_for_count(collective, count, p, itemsize)
+    hm = host_model(m, working_set)
+    return engine.run_host(prog, tuple(topology), hm, itemsize).time_s / max(1, calls)
 
 
 def simulate(scheds: Sequence[Sequence[Sequence[Any]]], topology: Sequence[int], m: LinkModel,

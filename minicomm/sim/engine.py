@@ -281,6 +281,45 @@ def _try_symmetry(build, p: int, node_map: Tuple[int, ...]) -> Optional[Program]
     return None
 
 
+def repeat_program(prog: Program, calls: int) -> Program:
+    """The program of ``calls`` copies of ``prog`` run back to back by every rank (rank r's steps
+    of call 1, then of call 2, ...; messages FIFO-matched per pair as before, so call k's
+    messages meet call k's receives)."""
+    if calls < 1:
+        raise ValueError(f"calls must be >= 1, got {calls}")
+    if calls == 1:
+        return prog
+    p = prog.size
+    nsteps = np.diff(prog.rank_first)
+    first = np.zeros(p + 1, dtype=np.int64)
+    np.cumsum(nsteps * calls, out=first[1:])
+    # step s of rank r in call c -> first[r] + c * nsteps[r] + (s - rank_first[r])
+    local = np.arange(prog.steps) - prog.rank_first[prog.step_rank]
+
+    def new_step(steps: np.ndarray, c: int) -> np.ndarray:
+        r = prog.step_rank[steps]
+        return first[r] + c * nsteps[r] + local[steps]
+    order = np.argsort(np.concatenate([new_step(np.arange(prog.steps), c)
+                                       for c in range(calls)]), kind="stable")
+    copy = np.tile(prog.step_copy, calls)[order]
+    red = np.tile(prog.step_reduce, calls)[order]
+    recv_ops = prog.recv_order          # message ids in receive-op order
+    cat = np.concatenate
+    s_step = cat([new_step(prog.msg_send_step, c) for c in range(calls)])
+    r_step = cat([new_step(prog.msg_recv_step[recv_ops], c) for c in range(calls)])
+    so = np.argsort(s_step, kind="stable")     # sends and receives laid out by their step
+    ro = np.argsort(r_step, kind="stable")
+    out = _program(p, first, copy, red, np.tile(prog.msg_src, calls)[so],
+                   np.tile(prog.msg_dst, calls)[so], s_step[so],
+                   np.tile(prog.msg_count, calls)[so],
+                   np.tile(prog.msg_dst[recv_ops], calls)[ro],
+                   np.tile(prog.msg_src[recv_ops], calls)[ro], r_step[ro],
+                   np.tile(prog.msg_count[recv_ops], calls)[ro],
+                   np.tile(prog.msg_reduce[recv_ops], calls)[ro])
+    out.derived_by = prog.derived_by
+    return out
+
+
 _programs: "OrderedDict[Tuple, Program]" = OrderedDict()
 
 
