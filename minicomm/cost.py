@@ -110,6 +110,8 @@ class LinkModel:
     # this machine's memory by working set: ((bytes, δ s/B, γ s/B, contention), ...) sorted by
     # bytes (``minicomm.tuning.links.measure_memory``); empty: δ, γ and contention above for all
     memory: Tuple[Tuple[float, float, float, float], ...] = ()
+    call_overhead: float = 0.0   # CPU per call per rank (the communicator's Python), s
+    background: float = 0.0      # other processes' runnable threads on a node (a loaded machine)
     # (collective, world, topology, intra, inter) -> ((bytes, family), ...) sorted by bytes
     table: Dict[TableKey, Tuple[Tuple[int, str], ...]] = field(default_factory=dict, hash=False)
     _choices: Dict[Tuple, str] = field(default_factory=dict, compare=False, hash=False,
@@ -223,7 +225,8 @@ def host_model(m: LinkModel, working_set: float = 0.0) -> HostModel:
             HostLink(m.alpha_inter, beta(m.inter, m.beta_inter), m.overhead_inter,
                      PIPELINE_CHUNK.get(m.inter, STREAM_CHUNK)),
             gamma=gamma, delta=delta, wake=m.wake, contention=contention, cores=m.cores,
-            spin=m.spin, sharing_loss=SHARING_LOSS)
+            spin=m.spin, sharing_loss=SHARING_LOSS, call_overhead=m.call_overhead,
+            background=m.background)
         if len(_host_models) > 256:
             _host_models.clear()
         _host_models[key] = hm
