@@ -40,7 +40,15 @@ def run_bench(path, transport, n, sizes, algos, colls, env, batches):
            "--transport", transport, "--algorithms", algos, "--batches", str(batches),
            "--warmup", "2", "--json", path]
     print("#", " ".join(cmd[2:]), flush=True)
-    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, timeout=1800)
+    for attempt in range(3):      # a failed world start (seen under load) is retried, and said
+        done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, timeout=1800)
+        if done.returncode == 0:
+            break
+        print(f"#   failed (attempt {attempt + 1}): {done.stderr.strip().splitlines()[-1]}",
+              flush=True)
+    else:
+        raise RuntimeError(f"benchmark failed 3 times: {' '.join(cmd)}")
     with open(path) as f:
         return json.load(f)["rows"]
 

@@ -17,8 +17,10 @@ How auto picks a family for (collective, world size p, message bytes, topology):
 3. Otherwise the cost model: every family's schedules for all p ranks are *simulated* (the
    schedule is data: the simulator walks the real steps, so rhd's switch between recursive
    doubling and Rabenseifner, ring broadcast's segments, tree's serial sends and hier's phases
-   are costed as they run). p > ``SIM_MAX_RANKS`` uses the closed-form costs ``flat_cost`` /
-   ``hier_cost`` (Thakur, Rabenseifner, Gropp 2005) instead.
+   are costed as they run). p > ``SIM_MAX_RANKS``: the same engine's flow model prices the
+   schedules on the LinkModel's network (``fabric_time``: α, 1/β per link class, one NIC per
+   node, γ, δ), once per size class, cached. The closed forms ``flat_cost`` / ``hier_cost``
+   (Thakur, Rabenseifner, Gropp 2005) are references only: auto never calls them.
 
 The simulator (``schedule_time`` / ``simulate``) is the simulator engine's (minicomm.sim.engine,
 the same engine ``minicomm sim`` runs clusters on): the schedules are compiled by it and run on
@@ -55,6 +57,8 @@ import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence, Tuple
+
+import numpy as np
 
 from .algorithms import FAMILIES
 from .sim import engine
@@ -163,18 +167,16 @@ def model_choice(collective: str, p: int, nbytes: int, topology: Tuple[int, ...]
 
 def model_costs(collective: str, p: int, nbytes: int, topology: Tuple[int, ...],
                 m: LinkModel) -> Dict[str, float]:
-    """Predicted seconds per family. hier competes only when it differs from the flat families
-    (more than one node, fewer nodes than ranks)."""
+    """Predicted seconds per family, every one priced by the simulator engine. hier competes only
+    when it differs from the flat families (more than one node, fewer nodes than ranks).
+    p <= ``SIM_MAX_RANKS``: the engine's host machine runs all p ranks' schedules as processes on
+    CPUs (``schedule_time``); above: the engine's flow model on the LinkModel's network
+    (``fabric_time``), priced once per size class (``SIZE_CLASSES`` per octave) and cached."""
     k = len(set(topology))
     fams = [f for f in FAMILIES if f != "hier" or 1 < k < p]
     if p > SIM_MAX_RANKS:
-        crosses = k > 1
-        a, b = (m.alpha_inter, m.beta_inter) if crosses else (m.alpha_intra, m.beta_intra)
-        out = {f: flat_cost(collective, f, p, nbytes, a, b, m.gamma) for f in fams if f != "hier"}
-        h = hier_cost(collective, p, nbytes, topology, m)
-        if h is not None and "hier" in fams:
-            out["hier"] = h
-        return out
+        return {f: fabric_time(collective, f, p, size_class(nbytes), tuple(topology), m)
+                for f in fams}
     count = nbytes // ITEMSIZE
     return {f: schedule_time(collective, f, p, count, tuple(topology), m) for f in fams}
 
@@ -259,6 +261,66 @@ def simulate(scheds: Sequence[Sequence[Sequence[Any]]], topology: Sequence[int],
     return engine.run_host(prog, tuple(topology), host_model(m), itemsize).time_s
 
 
+# ---------------------------------------------------------------------------------- large worlds
+SIZE_CLASSES = 4          # fabric prices per octave of message size (2^(k/4) bytes)
+FABRIC_CACHE_SIZE = 4096
+
+
+def size_class(nbytes: int) -> int:
+    """The size auto prices ``nbytes`` at above ``SIM_MAX_RANKS`` ranks: the nearest of
+    ``SIZE_CLASSES`` sizes per octave (at most 9% off), so a few engine runs serve all sizes."""
+    if nbytes <= ITEMSIZE:
+        return max(0, nbytes)
+    k = round(math.log2(nbytes) * SIZE_CLASSES)
+    return max(ITEMSIZE, int(round(2 ** (k / SIZE_CLASSES))))
+
+
+def fabric_for(m: LinkModel, topology: Tuple[int, ...]):
+    """The engine's network for a LinkModel and a node map: one switch, one server per node of
+    ``topology`` (as many accelerator slots as its largest node), the node's ranks on a
+    non-blocking intra fabric of the intra link's α and 1/β, one NIC per node (its ranks share
+    it) of the inter link's α and 1/β; γ, δ per byte. Returns (Topology, placement)."""
+    from .sim.topology import LinkSpec, Topology
+    nodes: Dict[Any, int] = {}
+    placement = []
+    for t in topology:
+        idx = nodes.setdefault(t, len(nodes))
+        placement.append(idx)
+    counts = [0] * len(nodes)
+    g = max(list(topology).count(t) for t in nodes)
+    for r, idx in enumerate(placement):
+        placement[r] = idx * g + counts[idx]
+        counts[idx] += 1
+    topo = Topology(f"host-{m.intra}-{m.inter}", len(nodes), g, "nvswitch",
+                    LinkSpec(m.intra, 1 / max(m.beta_intra, 1e-15), m.alpha_intra),
+                    LinkSpec(m.inter, 1 / max(m.beta_inter, 1e-15), m.alpha_inter),
+                    nics_per_server=1, gamma=m.gamma, delta=m.delta)
+    return topo, np.asarray(placement, dtype=np.int64)
+
+
+_fabric_prices: Dict[Tuple, float] = {}
+
+
+def fabric_time(collective: str, fam: str, p: int, nbytes: int, topology: Tuple[int, ...],
+                m: LinkModel, itemsize: int = ITEMSIZE) -> float:
+    """Predicted seconds of one call of ``nbytes`` (the vector; auto's size) by the engine's flow
+    model on ``fabric_for(m, topology)`` (cached per collective, family, ranks, size, node map and
+    the model's link figures)."""
+    key = (collective, fam, p, nbytes, topology, m.alpha_intra, m.beta_intra, m.alpha_inter,
+           m.beta_inter, m.gamma, m.delta)
+    t = _fabric_prices.get(key)
+    if t is None:
+        topo, placement = fabric_for(m, topology)
+        count = nbytes // itemsize
+        prog = engine.program_for(collective, fam, p, count, 0,
+                                  tuple(int(e) // topo.gpus_per_server for e in placement))
+        t = engine.run_program(prog, topo, placement, itemsize).time_s
+        if len(_fabric_prices) > FABRIC_CACHE_SIZE:
+            _fabric_prices.clear()
+        _fabric_prices[key] = t
+    return t
+
+
 # ---------------------------------------------------------------------------------- formulas
 def _lg(p: int) -> int:
     return max(0, math.ceil(math.log2(p))) if p > 1 else 0
@@ -266,8 +328,9 @@ def _lg(p: int) -> int:
 
 def flat_cost(collective: str, family: str, p: int, n: float, a: float, b: float,
               g: float) -> float:
-    """Closed-form cost of a flat family on one link class (used above ``SIM_MAX_RANKS``).
-    n = bytes per rank-block."""
+    """Closed-form cost of a flat family on one link class: the textbook reference the engine is
+    checked against (tests) and examples/multihost_predict.py prints. auto never uses it (every
+    price auto sees comes from the engine: ``model_costs``). n = bytes per rank-block."""
     if p <= 1:
         return 0.0
     lg = _lg(p)
