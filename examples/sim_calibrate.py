@@ -63,35 +63,31 @@ def record_run(out, transport, n, rnd, sizes, algos, batches):
     with open(os.path.join(cache, os.listdir(cache)[0])) as f:
         world_start = json.load(f)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    ws = world_start["links"][transport]
-    start = {"overhead": ws["overhead"], "latency": max(0.0, ws["alpha"] - 3 * ws["overhead"]),
-             "beta": ws["beta"]}
-    fit = [f for f in cal.FITTED if f != "beta" or transport not in cal.cost.COPY_TRANSPORTS]
-    links = cal.fit_links(probe, transport, memory, world_start.get("wake", 0.0), cores, start,
-                          fit)
     rows = run_bench(os.path.join(out, f"{transport}-n{n}-r{rnd}.json"), transport, n, sizes,
                      algos, COLLS, env, batches)
     return {"transport": transport, "ranks": n, "round": rnd, "cores": int(cores or 0),
             "load_before": load_before, "load_after": os.getloadavg(), "memory": memory,
             "wake": world_start.get("wake", 0.0), "world_start_links": world_start,
-            "links": links, "probe": probe, "rows": rows}
+            "probe": probe, "rows": rows}
 
 
 def print_table(raw):
-    rows = cal.calibration_rows(raw)
-    print("# links per run (fitted to its probe sweep; shm β = 2δ of the working set):")
-    for run in raw["runs"]:
-        ln, mem = run["links"], run["memory"]
-        print(f"#   {run['transport']} n={run['ranks']} round {run['round']}: o "
-              f"{ln['overhead'] * 1e6:.1f} us, latency {ln['latency'] * 1e6:.1f} us, "
-              f"{1e-9 / ln['beta']:.2f} GB/s; wake {run['wake'] * 1e6:.0f} us; δ "
-              f"{1e-9 / mem[0][1]:.0f}..{1e-9 / mem[-1][1]:.1f} GB/s (64K..64M), contention "
-              f"{mem[0][3]:.2f}..{mem[-1][3]:.2f}; load average "
-              f"{run['load_before'][0]:.2f} -> {run['load_after'][0]:.2f}")
-    print(f"{'transport':>9} {'n':>2} {'rnd':>3} {'collective':>10} {'algo':>5} {'size':>7} "
+    cells = cal.merge_rounds(raw)
+    rows = cal.calibration_rows(raw, cells)
+    print("# per transport and world size: links fitted to its probe sweeps (fastest batch over "
+          "all rounds; shm β = 2δ of the working set), memory, wake, load average per round:")
+    for c in cells:
+        ln, mem = c["links"], c["memory"]
+        print(f"#   {c['transport']} n={c['ranks']}: o {ln['overhead'] * 1e6:.1f} us, latency "
+              f"{ln['latency'] * 1e6:.1f} us, per call {ln['call_overhead'] * 1e6:.1f} us, "
+              f"background {ln['background']:.2f} threads, β {1e-9 / ln['beta']:.2f} GB/s; wake "
+              f"{c['wake'] * 1e6:.0f} us; δ {1e-9 / mem[0][1]:.0f}..{1e-9 / mem[-1][1]:.1f} GB/s "
+              f"(64K..64M), contention {mem[0][3]:.2f}..{mem[-1][3]:.2f}; load average "
+              + ", ".join(f"{a:.2f}->{b:.2f}" for a, b in c["load"]))
+    print(f"{'transport':>9} {'n':>2} {'collective':>10} {'algo':>5} {'size':>7} "
           f"{'fastest':>10} {'median':>10} {'predicted':>10} {'error':>7}")
     for r in rows:
-        print(f"{r['transport']:>9} {r['ranks']:>2} {r['round']:>3} {r['collective']:>10} "
+        print(f"{r['transport']:>9} {r['ranks']:>2} {r['collective']:>10} "
               f"{r['algorithm']:>5} {r['bytes'] >> 10:>6}K {r['measured_s'] * 1e6:>8.0f}us "
               f"{r['median_s'] * 1e6:>8.0f}us {r['predicted_s'] * 1e6:>8.0f}us "
               f"{100 * r['error']:>6.1f}%")

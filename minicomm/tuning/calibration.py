@@ -25,7 +25,7 @@ meas)|) - 1, so a 2x over- and a 2x under-prediction both count as 100%.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .. import cost
 
@@ -104,21 +104,73 @@ def fit_links(probe_rows: Sequence[Dict[str, Any]], kind: str, memory: Sequence[
     return {k: float(th[k]) for k in FITTED}
 
 
-def calibration_rows(raw: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Every measured row of the recorded runs with its prediction by the current engine."""
-    out = []
+def _merged_rows(groups: Sequence[Sequence[Dict[str, Any]]]) -> List[Dict[str, Any]]:
+    """The rows of several rounds of one benchmark, each row's batches those of every round
+    (so its fastest batch is the fastest over all rounds)."""
+    out: Dict[Tuple, Dict[str, Any]] = {}
+    for rows in groups:
+        for r in rows:
+            if r.get("library", "minicomm") != "minicomm":
+                continue
+            key = (r["collective"], r["algo"], r["size"])
+            if key not in out:
+                out[key] = dict(r, batches_us=list(r["batches_us"]), medians_us=[r["time_us"]])
+            else:
+                out[key]["batches_us"] += r["batches_us"]
+                out[key]["medians_us"].append(r["time_us"])
+                out[key]["iters"] = min(out[key]["iters"], r["iters"])
+    return list(out.values())
+
+
+def merge_rounds(raw: Dict[str, Any], fit: bool = True) -> List[Dict[str, Any]]:
+    """One cell per (transport, world size): the rounds' probe and measured rows merged
+    (``_merged_rows``), the memory table's δ and γ the fastest over rounds and its contention
+    their median, wake the median; then the link fitted to the merged probe rows."""
+    import statistics
+    cells: Dict[Tuple[str, int], List[Dict[str, Any]]] = {}
     for run in raw["runs"]:
-        m = run_model(run)
-        for r in run["rows"]:
-            if r.get("library") != "minicomm" or r["algo"] not in cost.FAMILIES:
+        cells.setdefault((run["transport"], int(run["ranks"])), []).append(run)
+    out = []
+    for (t, n), runs in sorted(cells.items()):
+        mems = [run["memory"] for run in runs]
+        memory = [[mems[0][i][0], min(m[i][1] for m in mems), min(m[i][2] for m in mems),
+                   statistics.median(m[i][3] for m in mems)] for i in range(len(mems[0]))]
+        cell = {"transport": t, "ranks": n, "cores": int(runs[0].get("cores", 0)),
+                "memory": memory, "wake": statistics.median(run.get("wake", 0.0) for run in runs),
+                "probe": _merged_rows([run["probe"] for run in runs]),
+                "rows": _merged_rows([run["rows"] for run in runs]),
+                "load": [(run["load_before"][0], run["load_after"][0]) for run in runs]}
+        if fit:
+            names = [f for f in FITTED if f != "beta" or t not in cost.COPY_TRANSPORTS]
+            ws = runs[0]["world_start_links"]["links"][t]
+            cell["links"] = fit_links(cell["probe"], t, memory, cell["wake"], cell["cores"],
+                                      {"beta": ws["beta"]}, names)
+        out.append(cell)
+    return out
+
+
+def calibration_rows(raw: Dict[str, Any], cells: Optional[List[Dict[str, Any]]] = None
+                     ) -> List[Dict[str, Any]]:
+    """Every measured row of the recorded runs (rounds merged) with its prediction by the
+    current engine, the links fitted by it too."""
+    out = []
+    for cell in cells if cells is not None else merge_rounds(raw):
+        m = run_model(cell)
+        for r in cell["rows"]:
+            if r["algo"] not in cost.FAMILIES:
                 continue
             meas, pred = measured(r), predict_row(r, m)
-            out.append({"transport": run["transport"], "ranks": int(r["nranks"]),
-                        "round": run.get("round", 0), "collective": r["collective"],
-                        "algorithm": r["algo"], "bytes": r["size"], "calls": row_calls(r),
-                        "measured_s": meas, "median_s": r["time_us"] * 1e-6,
+            out.append({"transport": cell["transport"], "ranks": cell["ranks"],
+                        "collective": r["collective"], "algorithm": r["algo"],
+                        "bytes": r["size"], "calls": row_calls(r), "measured_s": meas,
+                        "median_s": statistics_median(r["medians_us"]) * 1e-6,
                         "predicted_s": pred, "error": pred / meas - 1})
     return out
+
+
+def statistics_median(xs: Sequence[float]) -> float:
+    import statistics
+    return float(statistics.median(xs))
 
 
 def geomean_error(rows: Iterable[Dict[str, Any]]) -> float:
