@@ -35,10 +35,13 @@ COLLS = "allreduce,allgather,broadcast"
 PROBE_SIZES = "8,4K,64K,512K,4M"
 
 
+BATCH_TIME = 0.005     # short batches: more of them fit between other jobs' bursts
+
+
 def run_bench(path, transport, n, sizes, algos, colls, env, batches):
     cmd = [sys.executable, "-m", "minicomm.cli", "bench", colls, "--sizes", sizes, "-n", str(n),
            "--transport", transport, "--algorithms", algos, "--batches", str(batches),
-           "--warmup", "2", "--json", path]
+           "--batch-time", str(BATCH_TIME), "--warmup", "2", "--json", path]
     print("#", " ".join(cmd[2:]), flush=True)
     for attempt in range(3):      # a failed world start (seen under load) is retried, and said
         done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -121,7 +124,7 @@ def main():
     ap.add_argument("--sizes", default="64K,1M,16M,64M")
     ap.add_argument("--algorithms", default="ring,tree,rhd")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--batches", type=int, default=5)
+    ap.add_argument("--batches", type=int, default=11)
     ap.add_argument("--json", help="write the raw runs here (with --run)")
     a = ap.parse_args()
     if a.run:

@@ -692,3 +692,49 @@ def test_memory_by_working_set_and_shm_copies():
     assert hm.inter.beta == m.beta_inter      # tcp: the fitted β
     plain = cost.LinkModel.for_transports("shm", "tcp")
     assert cost.host_model(plain, 1 << 24).intra.beta == plain.beta_intra
+
+
+# ------------------------------------------------------------------ calibration (recorded runs)
+CALIBRATION = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "sim-calibration.json")
+CALIBRATION_BOUND = 0.25
+
+
+def test_link_fit_recovers_the_model_that_made_the_probes():
+    """fit_links (least squares through the engine) finds o, latency and β again from probe
+    rows the engine itself predicted with known values."""
+    from minicomm.tuning import calibration as cal
+    true = {"overhead": 4e-6, "latency": 25e-6, "beta": 1 / 1.5e9, "call_overhead": 0.0,
+            "background": 0.0}
+    memory = [[65536, 1 / 30e9, 1 / 30e9, 0.0], [67108864, 1 / 10e9, 1 / 12e9, 0.5]]
+    m = cal._link_model("tcp", true, 100e-6, 2, memory)
+    probe = []
+    for coll, algo in (("broadcast", "tree"), ("allgather", "rhd")):
+        for size in (8, 4096, 65536, 524288, 4 << 20):
+            count = engine.count_for_bytes(coll, size, 2)
+            row = {"collective": coll, "algo": algo, "nranks": 2, "size": size, "count": count,
+                   "iters": 10, "library": "minicomm"}
+            row["batches_us"] = [cal.predict_row(row, m) * 1e6]
+            probe.append(row)
+    got = cal.fit_links(probe, "tcp", memory, 100e-6, 2,
+                        {"overhead": 1e-6, "latency": 5e-6, "beta": 1 / 4e9},
+                        ("overhead", "latency", "beta"))
+    for k in ("overhead", "latency", "beta"):
+        assert got[k] == pytest.approx(true[k], rel=0.05), k
+
+
+def test_calibration_against_recorded_runs():
+    """The committed raw runs (examples/sim_calibrate.py --run: minicomm bench on this project's
+    2-core reference box, shm and tcp, 2-4 ranks, allreduce / allgather / broadcast, ring / tree
+    / rhd, 64 KiB-64 MiB), links fitted and every row predicted by the CURRENT engine: the
+    geometric-mean error stays under the bound, so a model change that breaks calibration
+    fails here. Runs no benchmark."""
+    from minicomm.tuning import calibration as cal
+    with open(CALIBRATION) as f:
+        raw = json.load(f)
+    rows = cal.calibration_rows(raw)
+    cells = {(r["transport"], r["ranks"]) for r in rows}
+    assert cells == {(t, n) for t in ("shm", "tcp") for n in (2, 3, 4)}
+    assert {r["collective"] for r in rows} == {"allreduce", "allgather", "broadcast"}
+    assert {r["algorithm"] for r in rows} == {"ring", "tree", "rhd"}
+    assert len(rows) == 6 * 3 * 3 * 4
+    assert cal.geomean_error(rows) < CALIBRATION_BOUND

@@ -30,11 +30,11 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 from .. import cost
 
 MAX_CALLS = 4           # back-to-back calls simulated per row (the steady state is reached by then)
-FIT_ITERATIONS = 4
+FIT_ITERATIONS = 12
 
 
 FITTED = ("overhead", "latency", "call_overhead", "background", "beta")
-START = {"overhead": 3e-6, "latency": 10e-6, "call_overhead": 10e-6, "background": 0.5,
+START = {"overhead": 3e-6, "latency": 10e-6, "call_overhead": 0.0, "background": 0.0,
          "beta": 1 / 2e9}
 STEP = {"overhead": 1e-6, "latency": 5e-6, "call_overhead": 5e-6, "background": 0.2,
         "beta": 1e-11}
@@ -91,16 +91,29 @@ def fit_links(probe_rows: Sequence[Dict[str, Any]], kind: str, memory: Sequence[
     def preds(t: Dict[str, float]) -> np.ndarray:
         m = _link_model(kind, t, wake, cores, memory)
         return np.array([predict_row(r, m) for r in rows])
+    def cost_of(t: Dict[str, float]) -> Tuple[float, np.ndarray]:
+        p = preds(t)
+        return float(((p / meas - 1) ** 2).sum()), p
+    best, base = cost_of(th)
     for _ in range(FIT_ITERATIONS):
-        base = preds(th)
         cols = []
         for k in fit:
-            h = max(abs(th[k]) * 0.2, STEP[k])
+            h = max(abs(th[k]) * 0.05, STEP[k] * 0.1)
             cols.append((preds(dict(th, **{k: th[k] + h})) - base) / h)
         J = np.stack(cols, axis=1) / meas[:, None]
         step = np.linalg.lstsq(J, 1 - base / meas, rcond=None)[0]
-        for k, s in zip(fit, step):
-            th[k] = max(FLOOR[k], th[k] + float(s))
+        # damped: halve the step until the squared relative error falls (the prediction is
+        # piecewise linear: a wake-up or a pipeline stall switches on at some value)
+        for scale in (1.0, 0.5, 0.25, 0.125, 0.0625):
+            trial = dict(th)
+            for k, s in zip(fit, step):
+                trial[k] = max(FLOOR[k], th[k] + scale * float(s))
+            c, p = cost_of(trial)
+            if c < best:
+                th, best, base = trial, c, p
+                break
+        else:
+            break
     return {k: float(th[k]) for k in FITTED}
 
 
