@@ -36,9 +36,16 @@ message that wakes it costs ``wake`` more when the rank has a core to itself (an
 woken). A node's ranks share its ``cores`` (fluid processor sharing among working and spinning
 ranks; work on a shared core is ``SHARING_LOSS`` less efficient; k ranks working at once slow
 each other down by 1 + contention·(k-1): shared memory bandwidth, or virtual CPUs that are not
-independent), so an algorithm that keeps few ranks busy at once (tree) is costed as it runs. The
-call's time is the last rank's end. Schedules are built with 4-byte elements (auto sees bytes,
-not the dtype).
+independent), so an algorithm that keeps few ranks busy at once (tree) is costed as it runs;
+``background`` runnable threads of other processes share the cores too (a loaded machine), and
+every call costs each rank ``call_overhead`` of CPU. The call's time is the last rank's end
+(``calls`` > 1: calls back to back, as a benchmark batch runs them, time per call). Schedules are
+built with 4-byte elements (auto sees bytes, not the dtype).
+
+Memory by working set (``LinkModel.memory``, measured by ``minicomm.tuning.links.
+measure_memory``): δ, γ and contention of the call's buffer size (a 64 KiB copy runs from the
+caches, several times faster than a 64 MiB one); with it, shm's β is exactly its two copies, 2δ
+(``COPY_TRANSPORTS``: the sender's copy into the ring, the receiver's copy or reduction out).
 
 Link parameters (``LinkModel``): per link class (intra-node, inter-node) α (one exchange step), β
 (s/byte) and o (CPU per message operation); γ (in-place add, s/byte of array), δ (memcpy), wake,
@@ -48,8 +55,10 @@ measurement, ``LinkModel.for_transports`` gives the constants ``DEFAULT_LINKS``,
 ``DELTA``, ``WAKE``. Transport facts the model mirrors (``SPIN_S``, ``PIPELINE_CHUNK``) are
 constants here, not imports (the transports are not below this layer); a test keeps them equal.
 
-Cost: ``choose`` is one dict lookup after the first call per (collective, p, bytes, topology); a
-first call simulates every family's p schedules (a few ms at p = 16).
+Cost: ``choose`` is one dict lookup after the first call per (collective, p, bytes, topology)
+(~0.5 us); a first call simulates every family's p schedules: ~2 ms at p = 4, ~45 ms at p = 16
+(host machine), ~0.2 s at p = 64 and ~1.5 s at p = 256 per new size class (flow model; four
+classes per octave, so a training loop's few bucket sizes pay it once each).
 """
 from __future__ import annotations
 
