@@ -69,12 +69,28 @@ def record_run(out, transport, n, rnd, sizes, algos, batches):
     rows = run_bench(os.path.join(out, f"{transport}-n{n}-r{rnd}.json"), transport, n, sizes,
                      algos, COLLS, env, batches)
     return {"transport": transport, "ranks": n, "round": rnd, "cores": int(cores or 0),
+            "batches": batches, "batch_time": BATCH_TIME,
             "load_before": load_before, "load_after": os.getloadavg(), "memory": memory,
             "wake": world_start.get("wake", 0.0), "world_start_links": world_start,
             "probe": probe, "rows": rows}
 
 
 def print_table(raw):
+    runs = raw["runs"]
+    print(f"# examples/sim_calibrate.py: {len(runs)} recorded runs ("
+          f"{len({r['round'] for r in runs})} rounds x transports x world sizes), each: memory "
+          f"probe, 2-rank link sweep (minicomm bench broadcast,allgather --algorithms tree,rhd "
+          f"--sizes {PROBE_SIZES}), then minicomm bench {COLLS} (ring, tree, rhd; "
+          f"64K,1M,16M,64M), {runs[0].get('batches', 11)} batches of "
+          f"{runs[0].get('batch_time', BATCH_TIME) * 1e3:g} ms per row and run")
+    print("# estimator: the fastest batch over all rounds, for the link sweep and the measured "
+          "rows alike (each batch is the slowest rank's time per call); predicted: "
+          "minicomm.cost.schedule_time (engine host machine, back-to-back calls as the batch "
+          "runs them); error = predicted / fastest - 1; summary = exp(mean |ln(pred/meas)|) - 1")
+    print(f"# load average (1 min) over the runs: "
+          f"{min(r['load_before'][0] for r in runs):.1f} .. "
+          f"{max(max(r['load_before'][0], r['load_after'][0]) for r in runs):.1f} on "
+          f"{runs[0].get('cores')} cores (this box is shared with other jobs)")
     cells = cal.merge_rounds(raw)
     rows = cal.calibration_rows(raw, cells)
     print("# per transport and world size: links fitted to its probe sweeps (fastest batch over "
