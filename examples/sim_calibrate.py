@@ -56,6 +56,15 @@ def run_bench(path, transport, n, sizes, algos, colls, env, batches):
         return json.load(f)["rows"]
 
 
+ROW_FIELDS = ("collective", "library", "algo", "nranks", "transport", "size", "count", "iters",
+              "time_us", "batches_us", "wrong")
+
+
+def slim(rows):
+    """The benchmark rows with the fields the calibration reads (the raw file stays small)."""
+    return [{k: r[k] for k in ROW_FIELDS if k in r} for r in rows]
+
+
 def record_run(out, transport, n, rnd, sizes, algos, batches):
     cache = tempfile.mkdtemp(prefix=f"cache-{transport}-n{n}-r{rnd}-", dir=out)
     env = dict(os.environ, MINICOMM_CACHE_DIR=cache)
@@ -72,7 +81,7 @@ def record_run(out, transport, n, rnd, sizes, algos, batches):
             "batches": batches, "batch_time": BATCH_TIME,
             "load_before": load_before, "load_after": os.getloadavg(), "memory": memory,
             "wake": world_start.get("wake", 0.0), "world_start_links": world_start,
-            "probe": probe, "rows": rows}
+            "probe": slim(probe), "rows": slim(rows)}
 
 
 def print_table(raw):

@@ -1,6 +1,7 @@
 """Simulator: closed-form α-β-γ costs, fat-tree oversubscription, presets vs public nccl-tests
 figures, the parameter server vs BytePS' closed forms, the dgx-h100 128-node claims, files, CLI."""
 import ast
+import functools
 import io
 import json
 import math
@@ -697,7 +698,7 @@ def test_memory_by_working_set_and_shm_copies():
 # ------------------------------------------------------------------ calibration (recorded runs)
 CALIBRATION = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "sim-calibration.json")
 CALIBRATION_BOUND = 0.25          # issue 13
-CALIBRATION_RECORDED = 9.99       # the committed table's error, rounded up (docs/sim-calibration.txt)
+CALIBRATION_RECORDED = 1.35       # the committed table: 128% (docs/sim-calibration.txt), rounded up
 
 
 def test_link_fit_recovers_the_model_that_made_the_probes():
@@ -723,7 +724,9 @@ def test_link_fit_recovers_the_model_that_made_the_probes():
         assert got[k] == pytest.approx(true[k], rel=0.05), k
 
 
+@functools.lru_cache(maxsize=1)
 def _calibration_rows():
+    """The committed runs predicted by the current engine (computed once: ~30 s)."""
     from minicomm.tuning import calibration as cal
     with open(CALIBRATION) as f:
         raw = json.load(f)
@@ -748,7 +751,7 @@ def test_calibration_against_recorded_runs():
 
 
 @pytest.mark.xfail(strict=True, reason="issue 13's 25% target is not met by the committed runs "
-                   "(measured under load averages of 10-20 on 2 cores; docs/sim-calibration.txt)")
+                   "(128% measured under load averages of 12-29 on 2 cores; docs/sim-calibration.txt)")
 def test_calibration_meets_the_issue_target():
     from minicomm.tuning import calibration as cal
     assert cal.geomean_error(_calibration_rows()) < CALIBRATION_BOUND
