@@ -82,6 +82,10 @@ def load_links(path: Optional[str] = None) -> Dict[str, Any]:
         for k in _MACHINE_FIELDS:
             if k in obj:
                 out[k] = _nonnegative(obj[k])
+        if "memory" in obj:       # rows (bytes, δ, γ, contention): tuning.links.measure_memory
+            out["memory"] = [[_nonnegative(x) for x in row] for row in obj["memory"]]
+            if any(len(row) != 4 for row in out["memory"]):
+                raise ValueError("memory rows are (bytes, delta, gamma, contention)")
         return out
     except (KeyError, TypeError, ValueError) as e:
         warnings.warn(f"minicomm: ignoring corrupt link cache {path}: {e!r}", stacklevel=2)
