@@ -1,196 +1,175 @@
 """Calibration: does the simulator predict minicomm's own measured times?
 
-    python examples/sim_calibrate.py --out /tmp/calib --run      # measure, then predict
-    python examples/sim_calibrate.py --out /tmp/calib            # predict from earlier runs
+    python examples/sim_calibrate.py --out /tmp/calib --run --json docs/sim-calibration.json
+    python examples/sim_calibrate.py --raw docs/sim-calibration.json    # re-predict, no benchmark
 
-With ``--run`` it runs ``minicomm bench`` for allreduce / allgather / broadcast at world sizes 2-4,
-sizes 64 KiB-64 MiB, over shm and tcp, with ``MINICOMM_CACHE_DIR=<out>/cache``: the benchmark's
-world start measures this machine's links (α, β, o per transport; γ, δ, wake, contention) into
-that cache, once. Then every measured row (out-of-place time, the median batch of the slowest
-rank) is predicted by ``minicomm.cost.schedule_time`` — the real schedules on the simulator
-engine's host machine, with the measured parameters and this machine's cores — and compared.
-
-The links are measured ``--probe-runs`` times per transport (each in an empty cache: the
-benchmark's world start probes them) and each field's median is kept.
-
-Error of a row: predicted / measured - 1 (measured: the benchmark's median batch; also shown
-against its fastest batch, the least disturbed by other work on a shared machine). Summary: the geometric mean of |predicted/measured|
-in log space, exp(mean |ln(pred / meas)|) - 1 (a 2x over- and a 2x under-prediction both count
-as 100%), and, for comparison with simulator papers, the geometric mean of |error|.
+``--run`` measures, for every transport (shm, tcp) and world size (2, 3, 4), ``--rounds`` times,
+interleaved so that each prediction uses links measured minutes (not an hour) before its run:
+  1. this machine's memory (``minicomm.tuning.links.measure_memory``: memcpy δ and in-place add γ
+     per working set 64 KiB .. 64 MiB, and the slowdown of two copiers at once), and the load
+     average;
+  2. a two-rank link sweep through the benchmark tool (``minicomm bench broadcast,allgather
+     --algorithms tree,rhd``, 8 B .. 4 MiB, in a fresh link cache so its world start also probes
+     the wake-up cost): o, latency and (tcp) β are fitted to it by least squares through the
+     engine (``minicomm.tuning.calibration.fit_links``; shm's β is 2δ by the model);
+  3. the measured run: ``minicomm bench allreduce,allgather,broadcast`` at that world size,
+     ring / tree / rhd, sizes 64 KiB .. 64 MiB; the load average again.
+Every row is then predicted by ``minicomm.cost.schedule_time`` — the real schedules on the
+simulator engine's host machine (``run_host``: copy-in / copy-out per message, 1 MiB streaming,
+doorbell wake-ups, the node's cores shared by the ranks, memory bandwidth shared by copiers) — as
+the benchmark runs it (back-to-back calls), and compared with the row's fastest batch (the same
+estimator as the fitted probes; module doc of ``minicomm.tuning.calibration``). The raw runs go
+to ``--json`` (what tests/test_sim.py recomputes through the current engine).
 """
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
+import tempfile
 
-from minicomm import cost
+from minicomm.tuning import calibration as cal
+from minicomm.tuning.links import measure_memory
 
 COLLS = "allreduce,allgather,broadcast"
+PROBE_SIZES = "8,4K,64K,512K,4M"
 
 
-def run_bench(out, transport, n, sizes, algos, env, colls=COLLS, batches=3, name=None):
-    path = os.path.join(out, name or f"{transport}-n{n}.json")
+BATCH_TIME = 0.005     # short batches: more of them fit between other jobs' bursts
+
+
+def run_bench(path, transport, n, sizes, algos, colls, env, batches):
     cmd = [sys.executable, "-m", "minicomm.cli", "bench", colls, "--sizes", sizes, "-n", str(n),
            "--transport", transport, "--algorithms", algos, "--batches", str(batches),
-           "--warmup", "2", "--json", path]
+           "--batch-time", str(BATCH_TIME), "--warmup", "2", "--json", path]
     print("#", " ".join(cmd[2:]), flush=True)
-    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, timeout=1800)
-    return path
+    for attempt in range(3):      # a failed world start (seen under load) is retried, and said
+        done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, timeout=1800)
+        if done.returncode == 0:
+            break
+        print(f"#   failed (attempt {attempt + 1}): {done.stderr.strip().splitlines()[-1]}",
+              flush=True)
+    else:
+        raise RuntimeError(f"benchmark failed 3 times: {' '.join(cmd)}")
+    with open(path) as f:
+        return json.load(f)["rows"]
 
 
-def probe_links(out, transports, runs):
-    """The benchmark's world start measures the links into an empty cache; ``runs`` times per
-    transport, each field's median kept (one probe on a shared 2-core box can land in someone
-    else's burst). Writes <out>/cache/links-<host>.json, which the benchmark runs then use."""
-    import socket
-    import statistics
-    fields = {}
-    for t in transports:
-        for i in range(runs):
-            d = os.path.join(out, f"probe-{t}-{i}")
-            env = dict(os.environ, MINICOMM_CACHE_DIR=d)
-            run_bench(out, t, 2, "64K", "ring", env, colls="allreduce", batches=1,
-                      name=f"probe-{t}-{i}.json")
-            with open(os.path.join(d, f"links-{socket.gethostname()}.json")) as f:
-                c = json.load(f)
-            for k, v in c["links"].items():
-                for f_, x in v.items():
-                    fields.setdefault(("links", k, f_), []).append(x)
-            for f_ in ("gamma", "delta", "wake", "contention"):
-                if f_ in c:
-                    fields.setdefault((f_,), []).append(c[f_])
-    cache = {"format": "minicomm-links/3", "host": socket.gethostname(), "links": {},
-             "probe_runs": runs}
-    for key, xs in fields.items():
-        if key[0] == "links":
-            cache["links"].setdefault(key[1], {})[key[2]] = statistics.median(xs)
-        else:
-            cache[key[0]] = statistics.median(xs)
-    os.makedirs(os.path.join(out, "cache"), exist_ok=True)
-    with open(os.path.join(out, "cache", f"links-{socket.gethostname()}.json"), "w") as f:
-        json.dump(cache, f, indent=1)
+ROW_FIELDS = ("collective", "library", "algo", "nranks", "transport", "size", "count", "iters",
+              "time_us", "batches_us", "wrong")
 
 
-def link_model(cache, transport):
-    """The LinkModel a world of this transport agrees on (as minicomm.tuning.links does)."""
-    intra, inter = ("tcp", "tcp") if transport == "tcp" else ("shm", "tcp")
-    default = cost.LinkModel.for_transports(intra, inter)
-    kw = {}
-    for side, kind in (("intra", intra), ("inter", inter)):
-        got = cache["links"].get(kind)
-        if got:
-            kw[f"alpha_{side}"], kw[f"beta_{side}"] = got["alpha"], got["beta"]
-            kw[f"overhead_{side}"] = got["overhead"]
-    for f in ("gamma", "delta", "wake", "contention"):
-        if f in cache:
-            kw[f] = cache[f]
+def slim(rows):
+    """The benchmark rows with the fields the calibration reads (the raw file stays small)."""
+    return [{k: r[k] for k in ROW_FIELDS if k in r} for r in rows]
+
+
+def record_run(out, transport, n, rnd, sizes, algos, batches):
+    cache = tempfile.mkdtemp(prefix=f"cache-{transport}-n{n}-r{rnd}-", dir=out)
+    env = dict(os.environ, MINICOMM_CACHE_DIR=cache)
+    load_before = os.getloadavg()
+    memory = measure_memory()
+    probe = run_bench(os.path.join(out, f"probe-{transport}-n{n}-r{rnd}.json"), transport, 2,
+                      PROBE_SIZES, "tree,rhd", "broadcast,allgather", env, batches)
+    with open(os.path.join(cache, os.listdir(cache)[0])) as f:
+        world_start = json.load(f)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return cost.LinkModel(**{**{f: getattr(default, f) for f in (
-        "alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma", "delta",
-        "overhead_intra", "overhead_inter", "wake", "contention")}, **kw},
-        cores=int(cores or 0), intra=intra, inter=inter)
+    rows = run_bench(os.path.join(out, f"{transport}-n{n}-r{rnd}.json"), transport, n, sizes,
+                     algos, COLLS, env, batches)
+    return {"transport": transport, "ranks": n, "round": rnd, "cores": int(cores or 0),
+            "batches": batches, "batch_time": BATCH_TIME,
+            "load_before": load_before, "load_after": os.getloadavg(), "memory": memory,
+            "wake": world_start.get("wake", 0.0), "world_start_links": world_start,
+            "probe": slim(probe), "rows": slim(rows)}
+
+
+def print_table(raw):
+    runs = raw["runs"]
+    print(f"# examples/sim_calibrate.py: {len(runs)} recorded runs ("
+          f"{len({r['round'] for r in runs})} rounds x transports x world sizes), each: memory "
+          f"probe, 2-rank link sweep (minicomm bench broadcast,allgather --algorithms tree,rhd "
+          f"--sizes {PROBE_SIZES}), then minicomm bench {COLLS} (ring, tree, rhd; "
+          f"64K,1M,16M,64M), {runs[0].get('batches', 11)} batches of "
+          f"{runs[0].get('batch_time', BATCH_TIME) * 1e3:g} ms per row and run")
+    print("# estimator: the fastest batch over all rounds, for the link sweep and the measured "
+          "rows alike (each batch is the slowest rank's time per call); predicted: "
+          "minicomm.cost.schedule_time (engine host machine, back-to-back calls as the batch "
+          "runs them); error = predicted / fastest - 1; summary = exp(mean |ln(pred/meas)|) - 1")
+    print(f"# load average (1 min) over the runs: "
+          f"{min(r['load_before'][0] for r in runs):.1f} .. "
+          f"{max(max(r['load_before'][0], r['load_after'][0]) for r in runs):.1f} on "
+          f"{runs[0].get('cores')} cores (this box is shared with other jobs)")
+    cells = cal.merge_rounds(raw)
+    rows = cal.calibration_rows(raw, cells)
+    print("# per transport and world size: links fitted to its probe sweeps (fastest batch over "
+          "all rounds; shm β = 2δ of the working set), memory, wake, load average per round:")
+    for c in cells:
+        ln, mem = c["links"], c["memory"]
+        print(f"#   {c['transport']} n={c['ranks']}: o {ln['overhead'] * 1e6:.1f} us, latency "
+              f"{ln['latency'] * 1e6:.1f} us, per call {ln['call_overhead'] * 1e6:.1f} us, "
+              f"background {ln['background']:.2f} threads, β {1e-9 / ln['beta']:.2f} GB/s; wake "
+              f"{c['wake'] * 1e6:.0f} us; δ {1e-9 / mem[0][1]:.0f}..{1e-9 / mem[-1][1]:.1f} GB/s "
+              f"(64K..64M), contention {mem[0][3]:.2f}..{mem[-1][3]:.2f}; load average "
+              + ", ".join(f"{a:.2f}->{b:.2f}" for a, b in c["load"]))
+    print(f"{'transport':>9} {'n':>2} {'collective':>10} {'algo':>5} {'size':>7} "
+          f"{'fastest':>10} {'median':>10} {'predicted':>10} {'error':>7}")
+    for r in rows:
+        print(f"{r['transport']:>9} {r['ranks']:>2} {r['collective']:>10} "
+              f"{r['algorithm']:>5} {r['bytes'] >> 10:>6}K {r['measured_s'] * 1e6:>8.0f}us "
+              f"{r['median_s'] * 1e6:>8.0f}us {r['predicted_s'] * 1e6:>8.0f}us "
+              f"{100 * r['error']:>6.1f}%")
+    groups = [("all", rows)]
+    for t in sorted({r["transport"] for r in rows}):
+        groups.append((t, [r for r in rows if r["transport"] == t]))
+        for n in sorted({r["ranks"] for r in rows}):
+            groups.append((f"{t} n={n}", [r for r in rows if r["transport"] == t
+                                          and r["ranks"] == n]))
+    for c in COLLS.split(","):
+        groups.append((c, [r for r in rows if r["collective"] == c]))
+    for fam in ("ring", "tree", "rhd"):
+        groups.append((fam, [r for r in rows if r["algorithm"] == fam]))
+    for lo, hi, name in ((0, 1 << 20, "< 1 MiB"), (1 << 20, 1 << 40, ">= 1 MiB")):
+        groups.append((name, [r for r in rows if lo <= r["bytes"] < hi]))
+    for name, sub in groups:
+        if sub:
+            print(f"# {name:>10}: {len(sub):3d} rows, geometric-mean error "
+                  f"{100 * cal.geomean_error(sub):.1f}% (exp mean |ln(pred/meas)| - 1; vs the "
+                  f"fastest batch)")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--run", action="store_true", help="run the benchmarks first")
+    ap.add_argument("--out", help="working directory for --run")
+    ap.add_argument("--run", action="store_true", help="run the benchmarks")
+    ap.add_argument("--raw", help="recorded runs (JSON) to predict instead of running")
     ap.add_argument("--transports", default="shm,tcp")
     ap.add_argument("--worlds", default="2,3,4")
-    ap.add_argument("--sizes", default="64K,256K,1M,4M,16M,64M")
+    ap.add_argument("--sizes", default="64K,1M,16M,64M")
     ap.add_argument("--algorithms", default="ring,tree,rhd")
-    ap.add_argument("--probe-runs", type=int, default=3,
-                    help="link measurements per transport (median kept)")
-    ap.add_argument("--per-run-links", action="store_true",
-                    help="every benchmark run measures its own links at its start (an empty "
-                         "cache of its own) and its rows are predicted with them")
-    ap.add_argument("--json", help="write the table as JSON")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--batches", type=int, default=11)
+    ap.add_argument("--json", help="write the raw runs here (with --run)")
     a = ap.parse_args()
-    os.makedirs(a.out, exist_ok=True)
-    env = dict(os.environ, MINICOMM_CACHE_DIR=os.path.join(a.out, "cache"))
-    transports = a.transports.split(",")
-    worlds = [int(x) for x in a.worlds.split(",")]
-    def cache_dir(t, n):
-        return os.path.join(a.out, f"cache-{t}-n{n}" if a.per_run_links else "cache")
-
     if a.run:
-        if not a.per_run_links:
-            probe_links(a.out, transports, a.probe_runs)
-        for t in transports:
-            for n in worlds:
-                run_bench(a.out, t, n, a.sizes, a.algorithms,
-                          dict(env, MINICOMM_CACHE_DIR=cache_dir(t, n)))
-
-    def load_cache(t, n):
-        d = cache_dir(t, n)
-        name = [f for f in os.listdir(d) if f.startswith("links-")][0]
-        with open(os.path.join(d, name)) as f:
-            return json.load(f)
-    rows = []
-    caches = {}
-    for t in transports:
-        for n in worlds:
-            cache = caches[(t, n)] = load_cache(t, n)
-            m = link_model(cache, t)
-            path = os.path.join(a.out, f"{t}-n{n}.json")
-            if not os.path.exists(path):
-                continue
-            with open(path) as f:
-                data = json.load(f)
-            for r in data["rows"]:
-                if r.get("library") != "minicomm" or r["algo"] not in cost.FAMILIES:
-                    continue
-                meas = r["time_us"] * 1e-6
-                fastest = min(r["batches_us"]) * 1e-6
-                pred = cost.schedule_time(r["collective"], r["algo"], n, r["count"], (0,) * n, m)
-                rows.append({"transport": t, "ranks": n, "collective": r["collective"],
-                             "algorithm": r["algo"], "bytes": r["size"], "measured_s": meas,
-                             "fastest_s": fastest, "predicted_s": pred,
-                             "error": pred / meas - 1, "error_fastest": pred / fastest - 1})
-    print("# links measured by the benchmark's world start"
-          + (" (each run its own)" if a.per_run_links else "") + ":")
-    shown = set()
-    for (t, n), cache in caches.items():
-        key = json.dumps(cache, sort_keys=True)
-        if key in shown:
-            continue
-        shown.add(key)
-        where = f"{t} n={n}: " if a.per_run_links else ""
-        print(f"#   {where}" + "; ".join(
-            f"{k} α {v['alpha'] * 1e6:.1f} us, {1e-9 / v['beta']:.2f} GB/s, o "
-            f"{v['overhead'] * 1e6:.1f} us" for k, v in cache["links"].items())
-            + f"; γ {1e-9 / cache['gamma']:.2f} GB/s, δ {1e-9 / cache['delta']:.2f} GB/s, "
-              f"wake {cache.get('wake', 0) * 1e6:.0f} us, contention "
-              f"{cache.get('contention', 0):.3f}")
-    print(f"{'transport':>9} {'n':>2} {'collective':>10} {'algo':>5} {'size':>7} "
-          f"{'median':>10} {'fastest':>10} {'predicted':>10} {'error':>7} {'vs fast':>7}")
-    for r in rows:
-        print(f"{r['transport']:>9} {r['ranks']:>2} {r['collective']:>10} {r['algorithm']:>5} "
-              f"{r['bytes'] >> 10:>6}K {r['measured_s'] * 1e6:>8.0f}us {r['fastest_s'] * 1e6:>8.0f}us "
-              f"{r['predicted_s'] * 1e6:>8.0f}us {100 * r['error']:>6.1f}% "
-              f"{100 * r['error_fastest']:>6.1f}%")
-
-    def summary(sub, key="error"):
-        logs = [abs(math.log(1 + r[key])) for r in sub]
-        abs_e = [max(abs(r[key]), 1e-9) for r in sub]
-        return (math.exp(sum(logs) / len(logs)) - 1,
-                math.exp(sum(math.log(e) for e in abs_e) / len(abs_e)))
-    groups = [("all", rows)] + [(t, [r for r in rows if r["transport"] == t]) for t in transports] \
-        + [(c, [r for r in rows if r["collective"] == c]) for c in COLLS.split(",")]
-    for name, sub in groups:
-        if sub:
-            g, ga = summary(sub)
-            gf, _ = summary(sub, "error_fastest")
-            print(f"# {name:>10}: {len(sub):3d} rows, geometric-mean error {100 * g:.1f}% "
-                  f"(log-ratio; {100 * ga:.1f}% as geomean of |error|); against the fastest "
-                  f"batch {100 * gf:.1f}%")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"links": {f"{t}-n{n}": c for (t, n), c in caches.items()}, "rows": rows},
-                  f, indent=1)
+        if not a.out:
+            ap.error("--run needs --out")
+        os.makedirs(a.out, exist_ok=True)
+        runs = []
+        for rnd in range(a.rounds):
+            for t in a.transports.split(","):
+                for n in (int(x) for x in a.worlds.split(",")):
+                    runs.append(record_run(a.out, t, n, rnd, a.sizes, a.algorithms, a.batches))
+                    raw = {"format": "minicomm-calibration/1", "runs": runs}
+                    with open(a.json or os.path.join(a.out, "raw.json"), "w") as f:
+                        json.dump(raw, f, indent=0)
+    elif a.raw:
+        with open(a.raw) as f:
+            raw = json.load(f)
+    else:
+        ap.error("give --run (with --out) or --raw")
+    print_table(raw)
 
 
 if __name__ == "__main__":

@@ -40,13 +40,18 @@ from .errors import (
 from .executor import LazyCheck, Plan, run_plan
 from .p2p import ANY_SOURCE, ANY_TAG, MAX_TAG, P2PEngine, Status
 from .schedule import ROOTED
-from .settings import env_debug, env_timeout, timeout_arg
+from .settings import env_debug, env_flag, env_timeout, timeout_arg
+from .smallpath import compile_small, eligible, run_small
 from .transports.base import ABORT_CALL, ABORT_KINDS, Tag
 from .window import Window
 
 DEFAULT_TIMEOUT = settings.DEFAULT_TIMEOUT
 _SCATTER_META = "scatter:meta"     # scatter's shape/dtype broadcast (errors.COLLECTIVE_CODES)
+# MINICOMM_SMALL_PATH=0: every call runs through the executor (minicomm.smallpath's A/B switch)
+_SMALL_OFF = not env_flag("MINICOMM_SMALL_PATH", True)
 _new_tag = tuple.__new__               # Tag(...) without the namedtuple's Python-level __new__
+_U8 = np.dtype(np.uint8)
+_EMPTY = np.empty(0, dtype=np.uint8)   # barrier's buffers (never written: zero elements)
 _get_ident = threading.get_ident
 
 # Context ids (Tag.comm). A communicator has a number, ``comm_id``, unique among the
@@ -119,11 +124,13 @@ class _InPlace(np.ndarray):
 
 class _Call:
     """What ``_prepare`` derives from a call's signature (see there)."""
-    __slots__ = ("coll", "algo", "call", "plan", "kernel", "rooted", "label", "requested")
+    __slots__ = ("coll", "algo", "call", "plan", "kernel", "rooted", "label", "requested",
+                 "small")
 
-    def __init__(self, coll, algo, call, plan, kernel, rooted, label, requested):
+    def __init__(self, coll, algo, call, plan, kernel, rooted, label, requested, small=None):
         self.coll, self.algo, self.call, self.plan, self.kernel = coll, algo, call, plan, kernel
         self.rooted, self.label, self.requested = rooted, label, requested
+        self.small = small            # the plan compiled for the small-message path, or None
 
 
 class Communicator:
@@ -218,6 +225,14 @@ class Communicator:
                 self._plans.clear()
             self._plans[key] = plan
         return plan
+
+    def _small(self, plan: Plan, dtype: np.dtype):
+        """The plan compiled for the small-message path (minicomm.smallpath) if the transport
+        offers it and every message of the call fits, else None."""
+        limit = getattr(self.transport, "small_bytes", 0)
+        if not limit or _SMALL_OFF or not eligible(plan.schedule, dtype.itemsize, limit):
+            return None
+        return compile_small(plan.schedule, self.group)
 
     def _tmp(self, dtype: np.dtype, count: int) -> np.ndarray:
         buf = self._scratch.get(dtype)
@@ -377,14 +392,16 @@ class Communicator:
             # scatter's shape/dtype broadcast runs as a broadcast but says it is scatter's
             run_as = "broadcast" if coll == _SCATTER_META else coll
             algo = self._resolve_algorithm(run_as, algorithm, count * dtype.itemsize)
+            plan = self._plan(run_as, algo, count, root)
             c = _Call(
                 coll=run_as, algo=algo,
                 call=pack_call(coll, op, algo, dtype, root if run_as in ROOTED else -1),
-                plan=self._plan(run_as, algo, count, root),
+                plan=plan,
                 kernel=_ops.get_kernel(op) if op != "none" else None,
                 rooted=run_as in ROOTED,
                 # what wait_all names in errors (they add the step and the call's number)
-                label=f"{coll} ({algo})", requested=algorithm not in (None, "auto"))
+                label=f"{coll} ({algo})", requested=algorithm not in (None, "auto"),
+                small=self._small(plan, dtype))
             if len(self._calls) > 1024:
                 self._calls.clear()
             self._calls[key] = c
@@ -435,9 +452,15 @@ class Communicator:
         tmp = self._scratch.get(outb.dtype)
         if tmp is None or tmp.size < n:
             tmp = self._tmp(outb.dtype, n)
-        run_plan(plan, self.transport, (inb, outb, tmp[:n]), c.kernel,
-                 _new_tag(Tag, (self._ctx, seq, 0, c.call, count)),
-                 time.monotonic() + self.timeout, c.label, guard)
+        tag = _new_tag(Tag, (self._ctx, seq, 0, c.call, count))
+        if c.small is not None and guard is None:
+            # latency-bound and unguarded: the compiled plan (smallpath), same schedule
+            run_small(c.small, self.transport, (inb, outb, tmp[:n]), c.kernel, tag,
+                      time.monotonic() + self.timeout, c.label)
+        else:
+            # a guarded (rooted, lazily fingerprinted) call checks fingerprints while it waits
+            run_plan(plan, self.transport, (inb, outb, tmp[:n]), c.kernel, tag,
+                     time.monotonic() + self.timeout, c.label, guard)
 
     # ------------------------------------------------------------------ argument helpers
     @staticmethod
@@ -660,13 +683,24 @@ class Communicator:
             return res
         return self._submit("scatter", run, async_op)
 
-    @_serialized("barrier")
     def barrier(self, algorithm="auto", async_op=False):
-        empty = np.empty(0, dtype=np.uint8)
-
-        def run():
-            self._execute("barrier", empty, empty, 0, "none", 0, algorithm, ())
-        return self._submit("barrier", run, async_op)
+        # the hot case, as in allreduce: a synchronous barrier whose signature ran before
+        if not async_op and not self._pending and not self._closed and self._broken is None:
+            c = self._calls.get(("barrier", "none", algorithm, _U8, 0, 0))
+            if c is not None:
+                self._enter("barrier")
+                try:
+                    self._run_call(c, _EMPTY, _EMPTY, 0, ())
+                finally:
+                    self._exit()
+                return None
+        self._enter("barrier")
+        try:
+            def run():
+                self._execute("barrier", _EMPTY, _EMPTY, 0, "none", 0, algorithm, ())
+            return self._submit("barrier", run, async_op)
+        finally:
+            self._exit()
 
     # ------------------------------------------------------------------ registered buffers
     def empty(self, shape, dtype=np.float64) -> np.ndarray:

@@ -17,8 +17,10 @@ How auto picks a family for (collective, world size p, message bytes, topology):
 3. Otherwise the cost model: every family's schedules for all p ranks are *simulated* (the
    schedule is data: the simulator walks the real steps, so rhd's switch between recursive
    doubling and Rabenseifner, ring broadcast's segments, tree's serial sends and hier's phases
-   are costed as they run). p > ``SIM_MAX_RANKS`` uses the closed-form costs ``flat_cost`` /
-   ``hier_cost`` (Thakur, Rabenseifner, Gropp 2005) instead.
+   are costed as they run). p > ``SIM_MAX_RANKS``: the same engine's flow model prices the
+   schedules on the LinkModel's network (``fabric_time``: α, 1/β per link class, one NIC per
+   node, γ, δ), once per size class, cached. The closed forms ``flat_cost`` / ``hier_cost``
+   (Thakur, Rabenseifner, Gropp 2005) are references only: auto never calls them.
 
 The simulator (``schedule_time`` / ``simulate``) is the simulator engine's (minicomm.sim.engine,
 the same engine ``minicomm sim`` runs clusters on): the schedules are compiled by it and run on
@@ -34,9 +36,16 @@ message that wakes it costs ``wake`` more when the rank has a core to itself (an
 woken). A node's ranks share its ``cores`` (fluid processor sharing among working and spinning
 ranks; work on a shared core is ``SHARING_LOSS`` less efficient; k ranks working at once slow
 each other down by 1 + contention·(k-1): shared memory bandwidth, or virtual CPUs that are not
-independent), so an algorithm that keeps few ranks busy at once (tree) is costed as it runs. The
-call's time is the last rank's end. Schedules are built with 4-byte elements (auto sees bytes,
-not the dtype).
+independent), so an algorithm that keeps few ranks busy at once (tree) is costed as it runs;
+``background`` runnable threads of other processes share the cores too (a loaded machine), and
+every call costs each rank ``call_overhead`` of CPU. The call's time is the last rank's end
+(``calls`` > 1: calls back to back, as a benchmark batch runs them, time per call). Schedules are
+built with 4-byte elements (auto sees bytes, not the dtype).
+
+Memory by working set (``LinkModel.memory``, measured by ``minicomm.tuning.links.
+measure_memory``): δ, γ and contention of the call's buffer size (a 64 KiB copy runs from the
+caches, several times faster than a 64 MiB one); with it, shm's β is exactly its two copies, 2δ
+(``COPY_TRANSPORTS``: the sender's copy into the ring, the receiver's copy or reduction out).
 
 Link parameters (``LinkModel``): per link class (intra-node, inter-node) α (one exchange step), β
 (s/byte) and o (CPU per message operation); γ (in-place add, s/byte of array), δ (memcpy), wake,
@@ -46,8 +55,10 @@ measurement, ``LinkModel.for_transports`` gives the constants ``DEFAULT_LINKS``,
 ``DELTA``, ``WAKE``. Transport facts the model mirrors (``SPIN_S``, ``PIPELINE_CHUNK``) are
 constants here, not imports (the transports are not below this layer); a test keeps them equal.
 
-Cost: ``choose`` is one dict lookup after the first call per (collective, p, bytes, topology); a
-first call simulates every family's p schedules (a few ms at p = 16).
+Cost: ``choose`` is one dict lookup after the first call per (collective, p, bytes, topology)
+(~0.5 us); a first call simulates every family's p schedules: ~2 ms at p = 4, ~45 ms at p = 16
+(host machine), ~0.2 s at p = 64 and ~1.5 s at p = 256 per new size class (flow model; four
+classes per octave, so a training loop's few bucket sizes pay it once each).
 """
 from __future__ import annotations
 
@@ -55,6 +66,8 @@ import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence, Tuple
+
+import numpy as np
 
 from .algorithms import FAMILIES
 from .schedule import COLLECTIVES
@@ -108,6 +121,11 @@ class LinkModel:
     intra: str = "shm"     # transport names, the tuned table's key
     inter: str = "tcp"
     spin: float = SPIN_S   # a waiting rank spins this long, then sleeps (wake applies)
+    # this machine's memory by working set: ((bytes, δ s/B, γ s/B, contention), ...) sorted by
+    # bytes (``minicomm.tuning.links.measure_memory``); empty: δ, γ and contention above for all
+    memory: Tuple[Tuple[float, float, float, float], ...] = ()
+    call_overhead: float = 0.0   # CPU per call per rank (the communicator's Python), s
+    background: float = 0.0      # other processes' runnable threads on a node (a loaded machine)
     # (collective, world, topology, intra, inter) -> ((bytes, family), ...) sorted by bytes
     table: Dict[TableKey, Tuple[Tuple[int, str], ...]] = field(default_factory=dict, hash=False)
     _choices: Dict[Tuple, str] = field(default_factory=dict, compare=False, hash=False,
@@ -159,51 +177,90 @@ def model_choice(collective: str, p: int, nbytes: int, topology: Tuple[int, ...]
 
 def model_costs(collective: str, p: int, nbytes: int, topology: Tuple[int, ...],
                 m: LinkModel) -> Dict[str, float]:
-    """Predicted seconds per family. hier competes only when it differs from the flat families
-    (more than one node, fewer nodes than ranks)."""
+    """Predicted seconds per family, every one priced by the simulator engine. hier competes only
+    when it differs from the flat families (more than one node, fewer nodes than ranks).
+    p <= ``SIM_MAX_RANKS``: the engine's host machine runs all p ranks' schedules as processes on
+    CPUs (``schedule_time``); above: the engine's flow model on the LinkModel's network
+    (``fabric_time``), priced once per size class (``SIZE_CLASSES`` per octave) and cached."""
     k = len(set(topology))
     fams = [f for f in FAMILIES if f != "hier" or 1 < k < p]
     if p > SIM_MAX_RANKS:
-        crosses = k > 1
-        a, b = (m.alpha_inter, m.beta_inter) if crosses else (m.alpha_intra, m.beta_intra)
-        out = {f: flat_cost(collective, f, p, nbytes, a, b, m.gamma) for f in fams if f != "hier"}
-        h = hier_cost(collective, p, nbytes, topology, m)
-        if h is not None and "hier" in fams:
-            out["hier"] = h
-        return out
+        return {f: fabric_time(collective, f, p, size_class(nbytes), tuple(topology), m)
+                for f in fams}
     count = nbytes // ITEMSIZE
     return {f: schedule_time(collective, f, p, count, tuple(topology), m) for f in fams}
 
 
 # ---------------------------------------------------------------------------------- simulator
-def host_model(m: LinkModel) -> HostModel:
+def memory_at(m: LinkModel, working_set: float) -> Tuple[float, float, float]:
+    """(δ, γ, contention) of this machine for a call touching ``working_set`` bytes per buffer:
+    log-linear between the measured rows of ``m.memory`` (clamped at its ends). A 64 KiB copy
+    runs from the caches at several times the speed of a 64 MiB one, and two ranks copying at
+    once slow each other down by the memory bandwidth they share; without a table, the model's
+    single δ, γ and contention."""
+    rows = m.memory
+    if not rows:
+        return m.delta, m.gamma, m.contention
+    if working_set <= rows[0][0]:
+        return rows[0][1:]
+    if working_set >= rows[-1][0]:
+        return rows[-1][1:]
+    for lo, hi in zip(rows, rows[1:]):
+        if working_set <= hi[0]:
+            w = math.log(working_set / lo[0]) / math.log(hi[0] / lo[0])
+            return tuple(a + w * (b - a) for a, b in zip(lo[1:], hi[1:]))   # type: ignore
+    return rows[-1][1:]
+
+
+# Transports whose bytes cross memory as a copy in by the sender and a copy (or reduction) out by
+# the receiver, both user-space memcpy (shm's rings; inproc hands over the array and copies out
+# once, so it is not here): their β is 2 δ of the call's working set when the memory is measured.
+COPY_TRANSPORTS = ("shm",)
+
+
+def host_model(m: LinkModel, working_set: float = 0.0) -> HostModel:
     """The simulator engine's machine for a LinkModel: ranks are processes on their node's cores
     (minicomm.sim.engine.run_host), with this model's α, β, o per link class, γ, δ, wake,
-    contention, cores and spin."""
-    hm = _host_models.get(m)
+    contention, cores and spin. With a measured memory table (``LinkModel.memory``) δ, γ and
+    contention are those of the call's working set, and a copying transport's β is 2 δ
+    (``COPY_TRANSPORTS``: copy-in by the sender, copy-out by the receiver)."""
+    key = (m, working_set if m.memory else 0.0)
+    hm = _host_models.get(key)
     if hm is None:
+        delta, gamma, contention = memory_at(m, working_set)
+
+        def beta(kind: str, fitted: float) -> float:
+            return 2 * delta if m.memory and kind in COPY_TRANSPORTS else fitted
         hm = HostModel(
-            HostLink(m.alpha_intra, m.beta_intra, m.overhead_intra,
+            HostLink(m.alpha_intra, beta(m.intra, m.beta_intra), m.overhead_intra,
                      PIPELINE_CHUNK.get(m.intra, STREAM_CHUNK)),
-            HostLink(m.alpha_inter, m.beta_inter, m.overhead_inter,
+            HostLink(m.alpha_inter, beta(m.inter, m.beta_inter), m.overhead_inter,
                      PIPELINE_CHUNK.get(m.inter, STREAM_CHUNK)),
-            gamma=m.gamma, delta=m.delta, wake=m.wake, contention=m.contention, cores=m.cores,
-            spin=m.spin, sharing_loss=SHARING_LOSS)
-        if len(_host_models) > 64:
+            gamma=gamma, delta=delta, wake=m.wake, contention=contention, cores=m.cores,
+            spin=m.spin, sharing_loss=SHARING_LOSS, call_overhead=m.call_overhead,
+            background=m.background)
+        if len(_host_models) > 256:
             _host_models.clear()
-        _host_models[m] = hm
+        _host_models[key] = hm
     return hm
 
 
-_host_models: Dict[LinkModel, HostModel] = {}
+_host_models: Dict[Tuple[LinkModel, float], HostModel] = {}
 
 
 def schedule_time(collective: str, fam: str, p: int, count: int, topology: Tuple[int, ...],
-                  m: LinkModel, itemsize: int = ITEMSIZE) -> float:
+                  m: LinkModel, itemsize: int = ITEMSIZE, calls: int = 1) -> float:
     """Predicted seconds of one call: the schedules of all p ranks, compiled by the simulator
-    engine (its own cache: the executor's schedules are not evicted), run on ``host_model(m)``."""
+    engine (its own cache: the executor's schedules are not evicted), run on ``host_model(m)``.
+    ``calls`` > 1: the time per call of that many calls issued back to back by every rank (as a
+    benchmark's batch or a training loop does: a rank that finished its part of call k starts
+    call k + 1, so calls overlap where the schedule lets them)."""
     prog = engine.program_for(collective, fam, p, count, 0, tuple(topology))
-    return engine.run_host(prog, tuple(topology), host_model(m), itemsize).time_s
+    if calls > 1:
+        prog = engine.repeat_program(prog, calls)
+    working_set = engine.bytes_for_count(collective, count, p, itemsize)
+    hm = host_model(m, working_set)
+    return engine.run_host(prog, tuple(topology), hm, itemsize).time_s / max(1, calls)
 
 
 def simulate(scheds: Sequence[Sequence[Sequence[Any]]], topology: Sequence[int], m: LinkModel,
@@ -214,6 +271,66 @@ def simulate(scheds: Sequence[Sequence[Sequence[Any]]], topology: Sequence[int],
     return engine.run_host(prog, tuple(topology), host_model(m), itemsize).time_s
 
 
+# ---------------------------------------------------------------------------------- large worlds
+SIZE_CLASSES = 4          # fabric prices per octave of message size (2^(k/4) bytes)
+FABRIC_CACHE_SIZE = 4096
+
+
+def size_class(nbytes: int) -> int:
+    """The size auto prices ``nbytes`` at above ``SIM_MAX_RANKS`` ranks: the nearest of
+    ``SIZE_CLASSES`` sizes per octave (at most 9% off), so a few engine runs serve all sizes."""
+    if nbytes <= ITEMSIZE:
+        return max(0, nbytes)
+    k = round(math.log2(nbytes) * SIZE_CLASSES)
+    return max(ITEMSIZE, int(round(2 ** (k / SIZE_CLASSES))))
+
+
+def fabric_for(m: LinkModel, topology: Tuple[int, ...]):
+    """The engine's network for a LinkModel and a node map: one switch, one server per node of
+    ``topology`` (as many accelerator slots as its largest node), the node's ranks on a
+    non-blocking intra fabric of the intra link's α and 1/β, one NIC per node (its ranks share
+    it) of the inter link's α and 1/β; γ, δ per byte. Returns (Topology, placement)."""
+    from .sim.topology import LinkSpec, Topology
+    nodes: Dict[Any, int] = {}
+    placement = []
+    for t in topology:
+        idx = nodes.setdefault(t, len(nodes))
+        placement.append(idx)
+    counts = [0] * len(nodes)
+    g = max(list(topology).count(t) for t in nodes)
+    for r, idx in enumerate(placement):
+        placement[r] = idx * g + counts[idx]
+        counts[idx] += 1
+    topo = Topology(f"host-{m.intra}-{m.inter}", len(nodes), g, "nvswitch",
+                    LinkSpec(m.intra, 1 / max(m.beta_intra, 1e-15), m.alpha_intra),
+                    LinkSpec(m.inter, 1 / max(m.beta_inter, 1e-15), m.alpha_inter),
+                    nics_per_server=1, gamma=m.gamma, delta=m.delta)
+    return topo, np.asarray(placement, dtype=np.int64)
+
+
+_fabric_prices: Dict[Tuple, float] = {}
+
+
+def fabric_time(collective: str, fam: str, p: int, nbytes: int, topology: Tuple[int, ...],
+                m: LinkModel, itemsize: int = ITEMSIZE) -> float:
+    """Predicted seconds of one call of ``nbytes`` (the vector; auto's size) by the engine's flow
+    model on ``fabric_for(m, topology)`` (cached per collective, family, ranks, size, node map and
+    the model's link figures)."""
+    key = (collective, fam, p, nbytes, topology, m.alpha_intra, m.beta_intra, m.alpha_inter,
+           m.beta_inter, m.gamma, m.delta)
+    t = _fabric_prices.get(key)
+    if t is None:
+        topo, placement = fabric_for(m, topology)
+        count = nbytes // itemsize
+        prog = engine.program_for(collective, fam, p, count, 0,
+                                  tuple(int(e) // topo.gpus_per_server for e in placement))
+        t = engine.run_program(prog, topo, placement, itemsize).time_s
+        if len(_fabric_prices) > FABRIC_CACHE_SIZE:
+            _fabric_prices.clear()
+        _fabric_prices[key] = t
+    return t
+
+
 # ---------------------------------------------------------------------------------- formulas
 def _lg(p: int) -> int:
     return max(0, math.ceil(math.log2(p))) if p > 1 else 0
@@ -221,8 +338,9 @@ def _lg(p: int) -> int:
 
 def flat_cost(collective: str, family: str, p: int, n: float, a: float, b: float,
               g: float) -> float:
-    """Closed-form cost of a flat family on one link class (used above ``SIM_MAX_RANKS``).
-    n = bytes per rank-block."""
+    """Closed-form cost of a flat family on one link class: the textbook reference the engine is
+    checked against (tests) and examples/multihost_predict.py prints. auto never uses it (every
+    price auto sees comes from the engine: ``model_costs``). n = bytes per rank-block."""
     if p <= 1:
         return 0.0
     lg = _lg(p)

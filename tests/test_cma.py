@@ -126,6 +126,40 @@ def test_large_p2p_send_is_read_out_of_the_way_of_a_collective():
     assert mc.spawn(_p2p_out_of_the_way, 2, transport="shm", timeout=60) == [True, True]
 
 
+def _small_receive_behind_a_descriptor(comm):
+    # Transport level, so the ring's order is certain: rank 0 posts a 4 MiB single-copy send on
+    # context 100 (a descriptor record) and then an 8-byte send on context 104. Rank 1, once
+    # both records are in its ring, takes the small one with recv_now (the small-message path):
+    # the descriptor must read as a record of another context, not as a wrap marker.
+    import time
+
+    from minicomm.transports.base import Tag
+    from minicomm.transports.shm import _HEAD
+    t = comm.transport
+    big = np.arange(1 << 19, dtype=np.float64)
+    a, b = Tag(100, 1, 0, 0, big.size), Tag(104, 1, 0, 0, 1)
+    if comm.rank == 0:
+        reqs = [t.isend(1, big, a), t.isend(1, np.full(1, 7.0), b)]
+        t.wait_all(reqs, time.monotonic() + 20, "sends")
+        return True
+    p = t._peer(0)
+    deadline = time.monotonic() + 20
+    while p.rx_q[_HEAD] - p.rx_tail < 2 * 128 and time.monotonic() < deadline:
+        time.sleep(0.001)             # polling for the two records, bounded by the deadline
+    small, got = np.zeros(1), np.zeros_like(big)
+    reqs = [] if t.recv_now(0, small, b, None, 0.0) else [t.irecv(0, small, b)]
+    reqs.append(t.irecv(0, got, a))
+    t.wait_all(reqs, time.monotonic() + 20, "receives")
+    return (float(small[0]) == 7.0 and bool(np.array_equal(got, big))
+            and t.received_single_copy["cma"] == 1)
+
+
+@needs_cma
+def test_a_small_receive_behind_a_single_copy_descriptor_in_the_ring():
+    assert mc.spawn(_small_receive_behind_a_descriptor, 2, transport="shm",
+                    timeout=30) == [True, True]
+
+
 def _inplace_and_reuse(comm):
     p, r = comm.size, comm.rank
     n = 600_000                                              # 2.4 MB blocks of float32

@@ -1,6 +1,7 @@
 """Simulator: closed-form α-β-γ costs, fat-tree oversubscription, presets vs public nccl-tests
 figures, the parameter server vs BytePS' closed forms, the dgx-h100 128-node claims, files, CLI."""
 import ast
+import functools
 import io
 import json
 import math
@@ -576,3 +577,181 @@ def test_every_collective_and_family_runs_on_a_cluster(coll):
             assert r.link_bytes_by_kind["nic_out"] > 0, fam
             assert r.link_bytes_by_kind["nic_out"] == pytest.approx(
                 r.link_bytes_by_kind["nic_in"]), fam
+
+
+# ------------------------------------------------------------------ auto: one cost engine
+@pytest.mark.parametrize("p", [4, 64])
+def test_auto_prices_every_schedule_through_the_engine(monkeypatch, p):
+    """choose() at 4 ranks (the engine's host machine) and at 64 ranks (its flow model) takes
+    every family's price from the engine, never from the closed forms: with the engine's runs
+    replaced by a sentinel that makes the worst family (by the real prices) the cheapest, auto
+    picks that family, and the closed forms are never called."""
+    from minicomm import cost
+    topo = tuple(r // 8 for r in range(p)) if p > 8 else (0,) * p
+    nbytes = 1 << 22
+    real = cost.model_costs("allreduce", p, nbytes, topo,
+                            cost.LinkModel.for_transports("shm", "tcp", cores=2))
+    worst = max(real, key=real.get)
+    assert cost.choose("allreduce", p, nbytes, topo,
+                       cost.LinkModel.for_transports("shm", "tcp", cores=2)) != worst
+
+    def closed_form_used(*a, **k):
+        raise AssertionError("auto priced a schedule with a closed form")
+    monkeypatch.setattr(cost, "flat_cost", closed_form_used)
+    monkeypatch.setattr(cost, "hier_cost", closed_form_used)
+    family_of = {}
+    program_for = engine.program_for
+
+    def tagged(collective, algorithm, *a, **k):
+        prog = program_for(collective, algorithm, *a, **k)
+        family_of[id(prog)] = algorithm
+        return prog
+    runs = []
+
+    def sentinel(prog, *a, **k):
+        runs.append(family_of[id(prog)])
+        t = 1.0 if family_of[id(prog)] == worst else 2.0
+        return engine.RunStats(t, np.full(prog.size, t), np.zeros(0), 1, np.zeros(0))
+    monkeypatch.setattr(engine, "program_for", tagged)
+    monkeypatch.setattr(engine, "run_host", sentinel)
+    monkeypatch.setattr(engine, "run_program", sentinel)
+    monkeypatch.setattr(cost, "_fabric_prices", {})
+    fresh = cost.LinkModel.for_transports("shm", "tcp", cores=2)    # no cached choices
+    assert cost.choose("allreduce", p, nbytes, topo, fresh) == worst
+    assert sorted(runs) == sorted(real)          # one engine run per family
+    assert cost.choose("allreduce", p, nbytes, topo, fresh) == worst
+    assert len(runs) == len(real)                # the second call is the cached choice
+
+
+def test_large_world_prices_are_cached_per_size_class():
+    """Above SIM_MAX_RANKS the engine runs once per (collective, family, size class): sizes
+    within a class share the price; the class is within 10% of the size."""
+    from minicomm import cost
+    for n in (5, 100, 1000, 3 << 20, 1 << 30, 12345678):
+        c = cost.size_class(n)
+        assert abs(c / n - 1) < 0.1
+    assert cost.size_class(1 << 20) == cost.size_class((1 << 20) + 4) == 1 << 20
+    m = cost.LinkModel.for_transports("shm", "tcp", cores=2)
+    topo = tuple(r // 8 for r in range(32))
+    a = cost.model_costs("allreduce", 32, 1 << 20, topo, m)
+    b = cost.model_costs("allreduce", 32, (1 << 20) + 64, topo, m)
+    assert a == b and set(a) == {"ring", "tree", "rhd", "hier"}
+    # the engine's price of a contention-free flat layout is the α-β-γ closed form
+    flat_m = cost.LinkModel(ALPHA, BETA, ALPHA, BETA, gamma=GAMMA, delta=0.0, intra="x",
+                            inter="x")
+    t = cost.fabric_time("allreduce", "ring", 32, 32 * 4096 * 4, tuple(range(32)), flat_m)
+    assert t == pytest.approx(cost.flat_cost("allreduce", "ring", 32, 32 * 4096 * 4, ALPHA,
+                                             BETA, GAMMA), rel=0.01)
+
+
+# ------------------------------------------------------------------ host machine model
+def test_repeat_program_is_the_repeated_schedules():
+    """Calls back to back: the program of k calls equals the compiled schedules with every
+    rank's steps repeated k times."""
+    from minicomm.algorithms import family
+    for coll, fam, p in (("allreduce", "ring", 3), ("broadcast", "tree", 4),
+                         ("allgather", "rhd", 3)):
+        rep = engine.repeat_program(program_for(coll, fam, p, 1000), 3)
+        ref = engine.compile_schedules(
+            [family(fam).build(coll, r, p, 1000, 0, (0,) * p).steps * 3 for r in range(p)])
+        for f in ("rank_first", "step_copy", "step_reduce", "msg_src", "msg_dst", "msg_count",
+                  "msg_reduce", "msg_send_step", "msg_recv_step", "send_ptr", "recv_order",
+                  "recv_ptr"):
+            assert np.array_equal(getattr(rep, f), getattr(ref, f)), f
+        assert rep.calls == 3
+
+
+def test_host_model_call_overhead_and_background_load():
+    """Every call costs each rank ``call_overhead`` of CPU; ``background`` runnable threads of
+    other processes share the node's cores with the ranks."""
+    o, lat = 1e-6, 5e-6
+    prog = engine.repeat_program(program_for("allgather", "rhd", 2, 2), 4)
+    base = engine.run_host(prog, (0, 0), _host(o, lat)).time_s
+    assert base == pytest.approx(4 * (3 * o + lat))
+    c = 7e-6
+    assert engine.run_host(prog, (0, 0), _host(o, lat, call_overhead=c)).time_s == \
+        pytest.approx(4 * (3 * o + lat + c))
+    copy = engine.compile_schedules([[(Copy("in", 0, "out", 0, 1000),)]] * 2)
+    hm = engine.HostModel(_host().intra, _host().inter, gamma=0.0, delta=1e-9, cores=2,
+                          sharing_loss=0.0, background=2.0)
+    # 4000 bytes at 1 ns; 2 ranks + 2 other threads on 2 cores: each rank gets half a core
+    assert engine.run_host(copy, (0, 0), hm).time_s == pytest.approx(2 * 4000e-9)
+
+
+def test_memory_by_working_set_and_shm_copies():
+    """δ, γ and contention follow the call's working set (log-linear between measured rows);
+    with a measured memory table shm's β is a copy in plus a copy out, 2δ."""
+    from minicomm import cost
+    mem = ((1 << 16, 1e-11, 2e-11, 0.0), (1 << 24, 1e-10, 2e-10, 1.0))
+    m = cost.LinkModel.for_transports("shm", "tcp", memory=mem)
+    assert cost.memory_at(m, 1 << 10) == mem[0][1:]
+    assert cost.memory_at(m, 1 << 30) == mem[1][1:]
+    mid = cost.memory_at(m, 1 << 20)          # halfway in log scale
+    assert mid == pytest.approx((5.5e-11, 1.1e-10, 0.5))
+    hm = cost.host_model(m, 1 << 24)
+    assert hm.intra.beta == pytest.approx(2e-10) and hm.delta == 1e-10 and hm.contention == 1.0
+    assert hm.inter.beta == m.beta_inter      # tcp: the fitted β
+    plain = cost.LinkModel.for_transports("shm", "tcp")
+    assert cost.host_model(plain, 1 << 24).intra.beta == plain.beta_intra
+
+
+# ------------------------------------------------------------------ calibration (recorded runs)
+CALIBRATION = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "sim-calibration.json")
+CALIBRATION_BOUND = 0.25          # issue 13
+CALIBRATION_RECORDED = 0.72       # the committed table: 67.4% (docs/sim-calibration.txt), rounded up
+
+
+def test_link_fit_recovers_the_model_that_made_the_probes():
+    """fit_links (least squares through the engine) finds o, latency and β again from probe
+    rows the engine itself predicted with known values."""
+    from minicomm.tuning import calibration as cal
+    true = {"overhead": 4e-6, "latency": 25e-6, "beta": 1 / 1.5e9, "call_overhead": 0.0,
+            "background": 0.0}
+    memory = [[65536, 1 / 30e9, 1 / 30e9, 0.0], [67108864, 1 / 10e9, 1 / 12e9, 0.5]]
+    m = cal._link_model("tcp", true, 100e-6, 2, memory)
+    probe = []
+    for coll, algo in (("broadcast", "tree"), ("allgather", "rhd")):
+        for size in (8, 4096, 65536, 524288, 4 << 20):
+            count = engine.count_for_bytes(coll, size, 2)
+            row = {"collective": coll, "algo": algo, "nranks": 2, "size": size, "count": count,
+                   "iters": 10, "library": "minicomm"}
+            row["batches_us"] = [cal.predict_row(row, m) * 1e6]
+            probe.append(row)
+    got = cal.fit_links(probe, "tcp", memory, 100e-6, 2,
+                        {"overhead": 1e-6, "latency": 5e-6, "beta": 1 / 4e9},
+                        ("overhead", "latency", "beta"))
+    for k in ("overhead", "latency", "beta"):
+        assert got[k] == pytest.approx(true[k], rel=0.05), k
+
+
+@functools.lru_cache(maxsize=1)
+def _calibration_rows():
+    """The committed runs predicted by the current engine (computed once: ~30 s)."""
+    from minicomm.tuning import calibration as cal
+    with open(CALIBRATION) as f:
+        raw = json.load(f)
+    return cal.calibration_rows(raw)
+
+
+def test_calibration_against_recorded_runs():
+    """The committed raw runs (examples/sim_calibrate.py --run: minicomm bench on this project's
+    shared 2-core box, shm and tcp, 2-4 ranks, allreduce / allgather / broadcast, ring / tree /
+    rhd, 64 KiB-64 MiB), links fitted and every row predicted by the CURRENT engine: the
+    geometric-mean error does not grow past what the committed table reports (docs/
+    sim-calibration.txt), so a model change that breaks calibration fails here. Runs no
+    benchmark."""
+    from minicomm.tuning import calibration as cal
+    rows = _calibration_rows()
+    cells = {(r["transport"], r["ranks"]) for r in rows}
+    assert cells == {(t, n) for t in ("shm", "tcp") for n in (2, 3, 4)}
+    assert {r["collective"] for r in rows} == {"allreduce", "allgather", "broadcast"}
+    assert {r["algorithm"] for r in rows} == {"ring", "tree", "rhd"}
+    assert len(rows) == 6 * 3 * 3 * 4
+    assert cal.geomean_error(rows) < CALIBRATION_RECORDED
+
+
+@pytest.mark.xfail(strict=True, reason="issue 13's 25% target is not met by the committed runs "
+                   "(67% measured under load averages of 2-29 on 2 cores; docs/sim-calibration.txt)")
+def test_calibration_meets_the_issue_target():
+    from minicomm.tuning import calibration as cal
+    assert cal.geomean_error(_calibration_rows()) < CALIBRATION_BOUND

@@ -6,9 +6,12 @@ posted request of every engine attached to this ``Progress``, not only the calle
 ring step sends and receives at once, the messages of one communicator never wait behind another's
 unprogressed ones, and a routed rank drives shm and tcp peers in the same loop.
 
-Waiting. After a pass that moved nothing, the caller spins briefly (``os.sched_yield`` between
+Waiting. After a pass that moved nothing, the caller spins briefly (hot for ``HOT_SPIN_S``
+unless an engine says its node's ranks outnumber the cores, then ``os.sched_yield`` between
 passes, so ranks sharing a core hand it over), then blocks in ``epoll_wait`` on every engine's file
-descriptors until the deadline. Before blocking it tells the engines (``sleep(True)``: shm raises
+descriptors until the deadline -- or, when the only engine is shm with a futex word
+(``futex_ok``), in ``futex(FUTEX_WAIT)`` on that word, in slices of ``FUTEX_SLICE_S`` after each of
+which ``epoll_wait(0)`` reads the doorbell sockets (a peer's EOF or abort). Before blocking it tells the engines (``sleep(True)``: shm raises
 a flag its peers read before deciding to ring a doorbell), issues a full fence, and makes one
 last pass: what arrived before the flag was visible is found by that pass, what arrives after it
 rings. All descriptors are edge-triggered: an edge means "something changed, look again"; engines
@@ -46,6 +49,9 @@ UNEXPECTED_LIMIT = byte_setting("MINICOMM_UNEXPECTED_BYTES", 256 << 20)   # a pe
 EDGE = select.EPOLLIN | select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
 SPIN_S = 50e-6                        # spin about one blocking wake-up's cost, then sleep
 HOT_SPIN_S = 4e-6                     # poll without yielding first: the peer is usually running
+# A rank asleep on a futex word (shm alone) wakes at least this often to read its doorbell
+# sockets: a peer that died without a word (SIGKILL) is noticed within this bound.
+FUTEX_SLICE_S = 0.05
 _U8 = np.dtype(np.uint8)
 
 _fence_lock = threading.Lock()
@@ -239,6 +245,7 @@ class Progress:
         self.cv = threading.Condition(self.lock)
         self.engines: List = []
         self.spin = False             # spin before blocking: some engine polls memory
+        self.hot_spin = HOT_SPIN_S    # poll without yielding first (0: ranks outnumber cores)
         self._handlers: Dict[int, Callable[[int], None]] = {}
         self._polling = False
         self._waiters = 0             # threads in cv.wait: notify only when there are some
@@ -265,12 +272,25 @@ class Progress:
                 os.write(self._wake_w, b"\x01")
             except (BlockingIOError, OSError):
                 pass                  # a wake-up is already pending
+            for e in self.engines:
+                kick = getattr(e, "kick", None)
+                if kick is not None:
+                    kick()            # a poller asleep on a futex word
             self.cv.notify_all()
+
+    def _futex_engine(self):
+        """The engine whose futex word the poller sleeps on: only when it is the only engine
+        (a tcp or routed peer needs epoll) and it offers one; else None."""
+        if len(self.engines) == 1 and getattr(self.engines[0], "futex_ok", False):
+            return self.engines[0]
+        return None
 
     def attach(self, engine, spin: bool) -> None:
         with self.lock:
             self.engines.append(engine)
             self.spin = self.spin or spin
+            if getattr(engine, "oversubscribed", False):
+                self.hot_spin = 0.0   # a peer may need our core: yield from the first poll
 
     def register(self, fd: int, handler: Callable[[int], None]) -> None:
         """``handler(events)`` runs under the lock after ``epoll_wait`` reports ``fd``."""
@@ -321,8 +341,9 @@ class Progress:
         # then poll with os.sched_yield between passes (a peer that shares our core, with more
         # ranks than cores or other load on the machine, gets it), then block.
         hot_until = spin_until = started
+        hot = self.hot_spin
         if self.spin:
-            hot_until += HOT_SPIN_S
+            hot_until += hot
             spin_until += SPIN_S
         while True:
             lock.acquire()
@@ -352,7 +373,7 @@ class Progress:
                     raise CommError(f"{what}: transport is closed")
                 if moved:
                     if self.spin:
-                        hot_until, spin_until = now + HOT_SPIN_S, now + SPIN_S
+                        hot_until, spin_until = now + hot, now + SPIN_S
                     continue
                 if now >= spin_until:
                     # about to block: a message from any peer may prove the call cannot complete
@@ -370,9 +391,15 @@ class Progress:
                         self._waiters -= 1
                     continue
                 else:
-                    for e in self.engines:
-                        e.sleep(True)
-                    fence()
+                    fx = self._futex_engine()
+                    if fx is not None:
+                        fx.sleep(2)               # asleep on the futex word (shm.py)
+                        fence()
+                        fx_value = fx.futex_value()
+                    else:
+                        for e in self.engines:
+                            e.sleep(True)
+                        fence()
                     if self._pass():              # arrived before our flag was visible
                         for e in self.engines:
                             e.sleep(False)
@@ -389,7 +416,11 @@ class Progress:
                 continue
             events = ()
             try:
-                events = self.ep.poll(left)
+                if fx is not None:
+                    fx.futex_block(fx_value, min(left, FUTEX_SLICE_S))
+                    events = self.ep.poll(0)      # doorbell sockets: a peer's EOF or abort
+                else:
+                    events = self.ep.poll(left)
             except (OSError, ValueError):         # closed by another thread: next pass raises
                 pass
             finally:
@@ -406,7 +437,7 @@ class Progress:
             # after a wake-up, spin again: the next message often follows closely
             if self.spin:
                 now = time.monotonic()
-                hot_until, spin_until = now + HOT_SPIN_S, now + SPIN_S
+                hot_until, spin_until = now + hot, now + SPIN_S
 
 
 def _timeout(pending: Req, reqs: List[Req], what: str, waited: float) -> CommTimeout:

@@ -21,14 +21,24 @@ limitation of this transport.
 Waiting. Per peer pair one authenticated AF_UNIX stream connection carries doorbells. Each rank's
 listener has an abstract name with a random part, published in the store (a name guessed from
 the job id cannot be squatted first); connections from another uid are refused (SO_PEERCRED),
-and strays are handled as rendezvous.py describes (bounded, no thread each; dialers retry). A waiting rank spins briefly on the rings, then raises the ``sleeping`` word of
-its segment, fences, re-checks its rings once, and sleeps in epoll on these sockets
-(progress.py). After publishing records or freeing ring space for a peer, a rank fences and reads
-that peer's ``sleeping`` word, and writes one byte to the doorbell only if it is raised: an awake
-peer costs no system call. The two fences make the handshake sound (Dekker): either the sleeper's
-re-check sees the new head/tail, or the publisher sees the flag and rings. A full doorbell socket
-means unread doorbells are already pending, so a failed (EAGAIN) ring loses nothing. A dead peer's
-kernel closes its end: EOF -> PeerFailure, with no heartbeat. ``abort`` sends a reason first.
+and strays are handled as rendezvous.py describes (bounded, no thread each; dialers retry).
+A waiting rank polls its rings (hot for a few microseconds, then yielding its
+core between polls: at once when the node's ranks outnumber its cores, ``MINICOMM_SPIN=yield|hot``
+overrides), then raises the ``sleeping`` word of its segment, fences, re-checks its rings once,
+and sleeps: on the *futex word* of its segment (``sleeping`` = 2; futex.py, ctypes) when shm is
+the only engine of its progress loop, else in epoll on these sockets (``sleeping`` = 1). After
+publishing records or freeing ring space for a peer, a rank fences and reads that peer's
+``sleeping`` word: 0 costs nothing (an awake peer), 2 a store of a fresh value into the peer's
+futex word and one ``futex(FUTEX_WAKE)``, 1 one byte on the doorbell socket. The two fences make
+the handshake sound (Dekker): either the sleeper's re-check sees the new head/tail, or the
+publisher sees the flag and wakes it; the futex sleeper reads its word *before* the re-check, and
+the kernel sleeps only while the word still holds that value, so a wake between the two is never
+lost (every wake writes a value no waker wrote before: its own counter and rank). A full doorbell
+socket means unread doorbells are already pending, so a failed (EAGAIN) ring loses nothing. A
+futex sleeper wakes at least every 50 ms to read its doorbell sockets. A dead peer's kernel closes
+its end: EOF -> PeerFailure, with no heartbeat. ``abort`` and ``close`` send a reason (or goodbye)
+on the socket and then wake the peer's futex word. ``MINICOMM_FUTEX=0`` (or a platform without
+futexes) keeps the socket doorbells only.
 
 Lifetime. A segment is unlinked as soon as every peer has attached to it (every peer maps all
 segments of its node before it completes the doorbell handshake, so a finished handshake with every
@@ -87,7 +97,7 @@ import numpy as np
 from minicomm.errors import CommError, CommTimeout, call_reduces
 from minicomm.rendezvous import accept_peers, dial_peer
 from minicomm.settings import byte_setting
-from . import cma, segment
+from . import cma, futex, segment
 from .base import ReduceFn, Request, Tag
 from .progress import CLEAN_CLOSE, Inbox, LinkEngine, Progress, Req, deliver, fence
 
@@ -97,17 +107,21 @@ HDR = 64                              # record header: 8 int64
 CHUNK = 1 << 20                       # streaming unit of large messages
 EARLY_RING = 64 << 10                 # ring the doorbell at once after a record this large
 EAGER = 16 << 10                      # isend/irecv move a message this small on the spot
+SMALL_HOT_S = 10e-6                   # recv_now polls this long without yielding (see there)
 _U8 = np.dtype(np.uint8)
 _MAGIC = b"MCSHM\x00\x01\x00"
 _HDR = struct.Struct("@8q")           # record header; written before head publishes it
 _SEG = struct.Struct("@8sqqqq")       # magic, owner rank, ring bytes, chunk bytes, number of rings
 _HEAD, _TAIL = 0, 16                  # int64 index in a ring's control page (own cache lines)
 _SLEEPING = 32                        # int64 index in the segment's first page: owner may sleep
+_SLEEP_SOCKET, _SLEEP_FUTEX = 1, 2    # its values while asleep: on the sockets / on the futex word
+_FUTEX_WORD = 80                      # int32 index (byte 320, its own cache line): the futex word
 _RANKS_AT = 512                       # byte offset of the senders' ranks, after the flag's line
 _CMA_OK = 32                          # int64 index in a ring's control page: its receiver reads
                                       # the sender's memory (written by the receiver at setup)
 _PROBE_AT = 64                        # byte offset in a segment of the owner's pid, the address
 _PROBE = struct.Struct("@qq16s")      # of a token in its memory, and the token (cma.probe)
+_WRAP_REC = -1                        # chunk length of a wrap marker (the next record is at 0)
 _CMA_REC = -2                         # chunk length of a descriptor record
 _CMA_ADDR = struct.Struct("@q")       # the descriptor's payload: the sender's buffer address
 _CMA_RECORD = HDR + 64                # ring bytes of a descriptor record
@@ -148,6 +162,19 @@ def sweep_job_segments(job_id: str) -> List[str]:
     return removed
 
 
+def _oversubscribed(local_ranks: int) -> bool:
+    """True if this node's ranks outnumber the cores this process may run on (then a spinning
+    rank must hand its core over between polls). ``MINICOMM_SPIN=yield|hot`` overrides."""
+    forced = os.environ.get("MINICOMM_SPIN", "").strip().lower()
+    if forced in ("yield", "hot"):
+        return forced == "yield"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return local_ranks > cores
+
+
 def _default_ring_bytes(npeers: int) -> int:
     ring = byte_setting("MINICOMM_SHM_RING_BYTES", 0, minimum=16 * PAGE, multiple=PAGE)
     if ring:
@@ -166,7 +193,8 @@ class _Peer:
     __slots__ = ("rank", "sock", "fd", "flag_q", "tx_mm", "tx_u8", "tx_ctl", "tx_data", "tx_size",
                  "tx_head", "tx_tail", "tx_chunk", "txq", "tx_q", "rx_mm", "rx_u8", "rx_ctl",
                  "rx_data", "rx_size", "rx_q", "rx_head", "rx_tail", "rx_cur", "inbox", "owed",
-                 "closed", "pid", "cma", "cma_read", "cma_wait")
+                 "closed", "pid", "cma", "cma_read", "cma_wait", "rx_typed", "futex_i",
+                 "futex_addr")
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -176,6 +204,9 @@ class _Peer:
         self.tx_head = self.tx_tail = 0
         self.rx_head = self.rx_tail = 0
         self.rx_cur = None
+        self.rx_typed: Dict[np.dtype, np.ndarray] = {}   # the inbound segment per dtype
+        self.futex_i = None           # the peer's first page as int32 words (its futex word)
+        self.futex_addr = 0
         self.inbox = Inbox(rank)
         self.owed = False             # a doorbell is due at the end of this pass
         self.closed: Optional[str] = None
@@ -201,6 +232,11 @@ class ShmTransport(LinkEngine):
         self._active: Dict[_Peer, None] = {}     # peers with queued work (an ordered set)
         self._mm: Optional[mmap.mmap] = None
         self._flag_q = None                       # our segment's first page as int64 words
+        self._futex_i = None                      # ... and as int32 words (our futex word)
+        self._futex_addr = 0
+        self._wake_seq = 0
+        self.futex_ok = False                     # the progress engine may sleep on our word
+        self.futex_sleeps = 0                     # how often it did (tests, profiles)
         self._path: Optional[str] = None
         self._aborted: Optional[str] = None
         self._cancelled: Dict[int, BaseException] = {}
@@ -216,6 +252,8 @@ class ShmTransport(LinkEngine):
         self._reg_maps: Dict[tuple, tuple] = {}  # (peer, serial) -> (mmap, u8): peers' memory
         self.received_single_copy = {"cma": 0, "registered": 0}   # messages, by path
         self._scratch: Optional[np.ndarray] = None   # a reducing single-copy receive's pieces
+        # ranks of this node outnumber its cores: a waiting rank yields its core between polls
+        self._spin_yields = self.oversubscribed = _oversubscribed(len(self.peer_ranks) + 1)
         try:
             if self.peer_ranks:
                 self._setup(store, time.monotonic() + timeout)
@@ -266,6 +304,10 @@ class ShmTransport(LinkEngine):
                          self._probe_token.__array_interface__["data"][0],
                          self._probe_token.tobytes())
         self._flag_q = memoryview(self._mm)[:PAGE].cast("q")
+        self._futex_i = memoryview(self._mm)[:PAGE].cast("i")
+        if futex.AVAILABLE:
+            self._futex_addr = futex.address_of(self._mm, _FUTEX_WORD * 4)
+            self.futex_ok = True
         own_u8 = np.frombuffer(self._mm, dtype=np.uint8)
         for i, pr in enumerate(peers):
             p = self._peers[pr]
@@ -340,6 +382,9 @@ class ShmTransport(LinkEngine):
         p.pid = pid
         p.cma_read = cma.probe(pid, addr, token)
         p.rx_q[_CMA_OK] = int(p.cma_read is None)   # before our handshake with it
+        p.futex_i = memoryview(mm)[:PAGE].cast("i")
+        if futex.AVAILABLE:
+            p.futex_addr = futex.address_of(mm, _FUTEX_WORD * 4)
 
     # ------------------------------------------------------------------------- data path
     def _peer(self, peer: int) -> _Peer:
@@ -388,6 +433,67 @@ class ShmTransport(LinkEngine):
                 self._ring_if_sleeping(p)
         return req
 
+    # ------------------------------------------------------- the small-message path's calls
+    small_bytes = EAGER               # what send_now / recv_now move (minicomm.smallpath)
+
+    def send_now(self, peer: int, buf: np.ndarray, tag: Tag) -> bool:
+        """Write a small message into ``peer``'s ring now, with no request object; False (nothing
+        written): no room now, a send to ``peer`` is queued, or the link is closed -- the caller
+        posts it with ``isend``."""
+        p = self._peers.get(peer) or self._peer(peer)
+        with self._lock:
+            if p.txq or p.closed is not None or buf.nbytes > EAGER or not self._put(p, buf, tag):
+                return False
+            fence()
+            self._ring_if_sleeping(p)
+        return True
+
+    def recv_now(self, peer: int, buf: np.ndarray, tag: Tag, reduce: Optional[ReduceFn],
+                 spin: float) -> bool:
+        """Take (or reduce) this receive's message if it is the next record of ``peer``'s ring,
+        waiting up to ``spin`` seconds for a record to arrive (polling the ring's head word, no
+        lock held; between polls a yield of the core when ranks outnumber cores). False (nothing
+        consumed): the caller posts it with ``irecv``."""
+        p = self._peers.get(peer) or self._peer(peer)
+        lock = self._lock
+        with lock:
+            if p.rx_cur is None and self._take(p, buf, tag, reduce):
+                return True
+        if spin <= 0.0 or p.rx_q is None:
+            return False
+        q, clock = p.rx_q, time.monotonic
+        now = clock()
+        end = now + spin
+        # poll hot for a few microseconds (a running peer answers within that), then hand the
+        # core over between polls; at once when ranks outnumber cores
+        hot_end = now if self._spin_yields else now + SMALL_HOT_S
+        while q[_HEAD] == p.rx_tail:
+            now = clock()
+            if now > end:
+                return False
+            if now > hot_end:
+                os.sched_yield()
+        with lock:
+            return p.rx_cur is None and self._take(p, buf, tag, reduce)
+
+    def recv_now_many(self, waiting: list, tag: Tag, spin: float) -> list:
+        """``recv_now`` for receives from distinct peers, ``[(peer, buf, reduce), ...]``: takes
+        whichever arrive within ``spin`` seconds in all; returns the ones still waiting."""
+        lock = self._lock
+        end = time.monotonic() + spin
+        while True:
+            left = []
+            with lock:
+                for w in waiting:
+                    p = self._peers.get(w[0]) or self._peer(w[0])
+                    if not (p.rx_cur is None and self._take(p, w[1], tag, w[2])):
+                        left.append(w)
+            if not left or time.monotonic() > end:
+                return left
+            waiting = left
+            if self._spin_yields:
+                os.sched_yield()
+
     def _take(self, p: _Peer, buf: np.ndarray, tag: Tag, reduce: Optional[ReduceFn]) -> bool:
         """Receive a small message on the spot if it is the next record of the ring, whole, and
         no earlier receive of its communicator waits: no request object, no matching queue.
@@ -400,18 +506,37 @@ class ShmTransport(LinkEngine):
             p.rx_head = p.rx_q[_HEAD]
             if tail == p.rx_head:
                 return False
-        h = p.rx_data + tail % p.rx_size
+        pos = tail % p.rx_size
+        h = p.rx_data + pos
         comm, seq, _, call, count, total, off, c = _HDR.unpack_from(p.rx_mm, h)
+        if c == _WRAP_REC:            # the record is at the ring's start (c < 0 would
+            # also match the single-copy descriptors, which are records of their own)
+            tail += p.rx_size - pos
+            p.rx_tail = tail
+            p.rx_q[_TAIL] = tail
+            if tail == p.rx_head:
+                p.rx_head = p.rx_q[_HEAD]
+                if tail == p.rx_head:
+                    return False
+            h = p.rx_data
+            comm, seq, _, call, count, total, off, c = _HDR.unpack_from(p.rx_mm, h)
         n = buf.nbytes
         if not (c == total == n and comm == tag[0] and seq == tag[1] and call == tag[3]
                 and count == tag[4]) or not buf.flags.c_contiguous:
             return False              # a wrap marker, a chunk, another call: the usual path
         if n:
             flat = buf if buf.ndim == 1 else buf.reshape(-1)
+            dt = flat.dtype
+            ring = p.rx_typed.get(dt)
+            if ring is None:
+                # the whole segment as this dtype, made once: a record's payload is then one
+                # slice (records start on 64-byte boundaries, so every itemsize divides them)
+                ring = p.rx_typed[dt] = np.frombuffer(p.rx_mm, dtype=dt)
+            i = (h + HDR) // dt.itemsize
             if reduce is None:
-                flat.view(_U8)[...] = p.rx_u8[h + HDR:h + HDR + n]
+                flat[...] = ring[i:i + flat.shape[0]]
             else:
-                reduce(flat, np.ndarray(flat.shape, flat.dtype, p.rx_mm, h + HDR))
+                reduce(flat, ring[i:i + flat.shape[0]])
         tail += HDR + ((n + 63) & ~63)
         p.rx_tail = tail
         p.rx_q[_TAIL] = tail          # hand the space back
@@ -428,7 +553,16 @@ class ShmTransport(LinkEngine):
         pos = head % size
         need = HDR + ((n + 63) & ~63)
         if need > size - pos or need > size - head + p.tx_tail:
-            return False
+            p.tx_tail = tail = p.tx_q[_TAIL]          # the cached tail may be stale
+            if need > size - pos and size - head + tail >= size - pos + need:
+                # no room before the ring's end, room at its start: a wrap marker first
+                _HDR.pack_into(p.tx_mm, p.tx_data + pos, 0, 0, 0, 0, 0, 0, 0, _WRAP_REC)
+                head += size - pos
+                p.tx_head = head
+                p.tx_q[_HEAD] = head
+                pos = 0
+            if need > size - pos or need > size - head + tail:
+                return False
         if not buf.flags.c_contiguous:
             raise ValueError("transport buffers must be contiguous")
         h = p.tx_data + pos
@@ -470,7 +604,9 @@ class ShmTransport(LinkEngine):
                     self._ring_if_sleeping(p)
         return moved
 
-    def sleep(self, flag: bool) -> None:
+    def sleep(self, flag) -> None:
+        """Raise (``True``: asleep on the doorbell sockets; ``_SLEEP_FUTEX``: on the futex word)
+        or lower our sleeping flag, which peers read before deciding to wake us."""
         if self._flag_q is not None:
             self._flag_q[_SLEEPING] = int(flag)
 
@@ -483,6 +619,38 @@ class ShmTransport(LinkEngine):
             w.popleft()[1].done = True
             moved = True
         return moved
+    def futex_value(self) -> int:
+        """Our futex word, read after the flag is raised and before the last pass (Progress)."""
+        return self._futex_i[_FUTEX_WORD]
+
+    def futex_block(self, value: int, timeout: float) -> None:
+        """Sleep on our futex word while it still holds ``value``, at most ``timeout`` s."""
+        addr = self._futex_addr
+        if addr:
+            self.futex_sleeps += 1
+            try:
+                futex.wait(addr, value, timeout)
+            except OSError:
+                pass                  # unmapped under us by close(): the next pass raises
+
+    def kick(self) -> None:
+        """Wake our own futex sleeper (another thread cancelled or closed something)."""
+        if self._futex_i is not None and self._futex_addr:
+            self._futex_i[_FUTEX_WORD] = self._next_wake_value()
+            futex.wake(self._futex_addr, 1 << 30)
+
+    def _next_wake_value(self) -> int:
+        # unique per (waker, wake): a waker can never write back the value a sleeper read
+        self._wake_seq = (self._wake_seq + 1) & 0xFFFFFF
+        return self._wake_seq << 7 | (self.rank & 0x7F)
+
+    def _futex_wake(self, p: _Peer) -> None:
+        if p.futex_i is not None and p.futex_addr:
+            p.futex_i[_FUTEX_WORD] = self._next_wake_value()
+            try:
+                futex.wake(p.futex_addr, 1 << 30)
+            except OSError:
+                pass                  # cannot happen while mapped; never fail a send for it
 
     def _push(self, p: _Peer) -> bool:
         """Write records of the queued sends into the outbound ring while it has room."""
@@ -525,7 +693,7 @@ class ShmTransport(LinkEngine):
                     fence()                       # a sleeping receiver starts reading now
                     self._ring_if_sleeping(p)
                 elif contig <= free:
-                    _HDR.pack_into(p.tx_mm, data + pos, 0, 0, 0, 0, 0, 0, 0, -1)   # wrap marker
+                    _HDR.pack_into(p.tx_mm, data + pos, 0, 0, 0, 0, 0, 0, 0, _WRAP_REC)
                     head += contig
                 else:
                     tail = p.tx_q[_TAIL]
@@ -544,7 +712,7 @@ class ShmTransport(LinkEngine):
             elif fit >= PAGE:
                 c = fit - fit % PAGE  # not the last chunk: keep it a whole number of pages
             elif contig <= free:
-                _HDR.pack_into(p.tx_mm, data + pos, 0, 0, 0, 0, 0, 0, 0, -1)   # wrap marker
+                _HDR.pack_into(p.tx_mm, data + pos, 0, 0, 0, 0, 0, 0, 0, _WRAP_REC)
                 head += contig
                 continue
             else:
@@ -588,7 +756,7 @@ class ShmTransport(LinkEngine):
             pos = tail % size
             h = data + pos
             comm, seq, step, call, count, total, off, c = _HDR.unpack_from(mm, h)
-            if c < 0 and c != _CMA_REC and c != _REG_REC:   # wrap marker
+            if c == _WRAP_REC:
                 tail += size - pos
                 continue
             target = p.rx_cur
@@ -751,7 +919,11 @@ class ShmTransport(LinkEngine):
     def _ring_if_sleeping(self, p: _Peer) -> None:
         """Ring ``p``'s doorbell if it may be asleep; the caller fenced after its last store."""
         p.owed = False
-        if not p.flag_q[_SLEEPING] or p.sock is None:
+        asleep = p.flag_q[_SLEEPING]
+        if not asleep or p.sock is None:
+            return
+        if asleep == _SLEEP_FUTEX and p.futex_addr:
+            self._futex_wake(p)
             return
         try:
             p.sock.send(_WAKE, _NOWAIT)
@@ -837,6 +1009,7 @@ class ShmTransport(LinkEngine):
                     p.sock.shutdown(socket.SHUT_WR)
                 except OSError:
                     pass
+                self._futex_wake(p)   # a peer asleep on its word reads the reason now
 
     def close(self) -> None:
         with self._lock:
@@ -851,6 +1024,7 @@ class ShmTransport(LinkEngine):
                         p.sock.send(_BYE, _NOWAIT)    # orderly: peers tell it from a crash
                     except OSError:
                         pass
+                    self._futex_wake(p)
         self._progress.detach(self)
         self._teardown()
 
@@ -873,18 +1047,24 @@ class ShmTransport(LinkEngine):
                 p.sock = None
             if getattr(p, "tx_mm", None) is not None:
                 maps.append(p.tx_mm)
-            for name in ("tx_q", "rx_q", "flag_q"):  # release the exports before unmapping
+            p.futex_addr = 0
+            for name in ("tx_q", "rx_q", "flag_q", "futex_i"):  # release the exports first
                 view = getattr(p, name, None)
                 if view is not None:
                     view.release()
-            for name in ("tx_mm", "tx_u8", "tx_q", "rx_mm", "rx_u8", "rx_q", "flag_q"):
+            for name in ("tx_mm", "tx_u8", "tx_q", "rx_mm", "rx_u8", "rx_q", "flag_q", "futex_i"):
                 setattr(p, name, None)
             p.txq.clear()
             p.cma_wait.clear()
             p.rx_cur = None
+            p.rx_typed = {}
         if self._flag_q is not None:
             self._flag_q.release()
             self._flag_q = None
+        self.futex_ok, self._futex_addr = False, 0
+        if self._futex_i is not None:
+            self._futex_i.release()
+            self._futex_i = None
         if self._mm is not None:
             maps.append(self._mm)
             self._mm = None

@@ -100,6 +100,8 @@ class Program:
     recv_order: np.ndarray = None  # (M,) message ids in receive-op order (by step, op order)
     recv_ptr: np.ndarray = None    # (S+1,) CSR into recv_order: messages received by step s
     derived_by: str = "built"     # "built" | "rotation" | "xor"
+    calls: int = 1                # calls back to back (``repeat_program``): rank r's steps are
+                                  # ``calls`` equal runs, each one call
     build_s: float = 0.0
 
     @property
@@ -279,6 +281,46 @@ def _try_symmetry(build, p: int, node_map: Tuple[int, ...]) -> Optional[Program]
                 prog.derived_by = name if b == 1 else f"server {name}"
                 return prog
     return None
+
+
+def repeat_program(prog: Program, calls: int) -> Program:
+    """The program of ``calls`` copies of ``prog`` run back to back by every rank (rank r's steps
+    of call 1, then of call 2, ...; messages FIFO-matched per pair as before, so call k's
+    messages meet call k's receives)."""
+    if calls < 1:
+        raise ValueError(f"calls must be >= 1, got {calls}")
+    if calls == 1:
+        return prog
+    p = prog.size
+    nsteps = np.diff(prog.rank_first)
+    first = np.zeros(p + 1, dtype=np.int64)
+    np.cumsum(nsteps * calls, out=first[1:])
+    # step s of rank r in call c -> first[r] + c * nsteps[r] + (s - rank_first[r])
+    local = np.arange(prog.steps) - prog.rank_first[prog.step_rank]
+
+    def new_step(steps: np.ndarray, c: int) -> np.ndarray:
+        r = prog.step_rank[steps]
+        return first[r] + c * nsteps[r] + local[steps]
+    order = np.argsort(np.concatenate([new_step(np.arange(prog.steps), c)
+                                       for c in range(calls)]), kind="stable")
+    copy = np.tile(prog.step_copy, calls)[order]
+    red = np.tile(prog.step_reduce, calls)[order]
+    recv_ops = prog.recv_order          # message ids in receive-op order
+    cat = np.concatenate
+    s_step = cat([new_step(prog.msg_send_step, c) for c in range(calls)])
+    r_step = cat([new_step(prog.msg_recv_step[recv_ops], c) for c in range(calls)])
+    so = np.argsort(s_step, kind="stable")     # sends and receives laid out by their step
+    ro = np.argsort(r_step, kind="stable")
+    out = _program(p, first, copy, red, np.tile(prog.msg_src, calls)[so],
+                   np.tile(prog.msg_dst, calls)[so], s_step[so],
+                   np.tile(prog.msg_count, calls)[so],
+                   np.tile(prog.msg_dst[recv_ops], calls)[ro],
+                   np.tile(prog.msg_src[recv_ops], calls)[ro], r_step[ro],
+                   np.tile(prog.msg_count[recv_ops], calls)[ro],
+                   np.tile(prog.msg_reduce[recv_ops], calls)[ro])
+    out.derived_by = prog.derived_by
+    out.calls = prog.calls * calls
+    return out
 
 
 _programs: "OrderedDict[Tuple, Program]" = OrderedDict()
@@ -627,6 +669,9 @@ class HostModel:
     cores: int = 0          # cores of a node (0: as many as ranks, no sharing)
     spin: float = 50e-6     # a waiting rank spins this long, then sleeps
     sharing_loss: float = 1.0   # work on a shared core runs at share / (1 + loss (1 - share))
+    call_overhead: float = 0.0  # CPU of a rank at the start of every call (argument checks,
+                                # plan lookup, sequence tags: the communicator's Python)
+    background: float = 0.0     # other processes' runnable threads per node, sharing its cores
 
 
 def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int = 4) -> RunStats:
@@ -642,7 +687,9 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
     message that wakes it costs ``wake`` more when the rank has a core to itself. A node's ranks
     share its ``cores`` (fluid processor sharing among working and spinning ranks; work on a
     shared core is ``sharing_loss`` less efficient; k ranks working at once slow each other down
-    by 1 + contention (k - 1)). The call's time is the last rank's end."""
+    by 1 + contention (k - 1)); ``background`` other runnable threads share the cores too (a
+    loaded machine). Every call (``prog.calls`` of them back to back) costs each rank
+    ``call_overhead`` of CPU at its start. The last rank's end is the time of all calls."""
     p = prog.size
     if len(node_of) != p:
         raise ValueError(f"node map names {len(node_of)} ranks, not {p}")
@@ -654,8 +701,9 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
     nodes: Dict[Any, int] = {}
     for t in node_of:
         nodes[t] = nodes.get(t, 0) + 1
-    cores = {n: (min(hm.cores, k) if hm.cores else k) for n, k in nodes.items()}
-    shared = {n: cores[n] < k for n, k in nodes.items()}
+    cores = {n: (min(hm.cores, k) if hm.cores and not hm.background else hm.cores or k)
+             for n, k in nodes.items()}
+    shared = {n: (hm.cores or k) < k for n, k in nodes.items()}
     M = prog.messages
     src, dst = prog.msg_src.tolist(), prog.msg_dst.tolist()
     mlink = [0 if node_of[a] == node_of[b] else 1 for a, b in zip(src, dst)]
@@ -669,6 +717,8 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
     copy_b = (prog.step_copy * itemsize).tolist()
     red_b = (prog.step_reduce * itemsize).tolist()
     rank_first = prog.rank_first.tolist()
+    per_call = [max(1, (rank_first[r + 1] - rank_first[r]) // max(1, prog.calls))
+                for r in range(p)]
     step = [rank_first[r] - 1 for r in range(p)]
     todo: List[List[Tuple[str, Any, Any]]] = [[] for _ in range(p)]
     recvs: List[List[int]] = [[] for _ in range(p)]       # message ids, in op order
@@ -689,6 +739,8 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
             done[r], end[r] = True, now
             return
         work = copy_b[s] * d + red_b[s] * g
+        if (s - rank_first[r]) % per_call[r] == 0:
+            work += hm.call_overhead
         for m in recv_order[recv_ptr[s]:recv_ptr[s + 1]]:
             work += links[mlink[m]][0]
             recvs[r].append(m)
@@ -785,7 +837,7 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
                 busy[node_of[r]] += 1
         rate = {}
         for n in nodes:
-            share = min(1.0, cores[n] / busy[n]) if busy[n] else 1.0
+            share = min(1.0, cores[n] / (busy[n] + hm.background)) if busy[n] else 1.0
             rate[n] = share / (1 + hm.sharing_loss * (1 - share)) \
                 / (1 + hm.contention * max(0, min(working[n], cores[n]) - 1))
         nxt = math.inf

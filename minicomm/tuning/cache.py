@@ -89,8 +89,12 @@ def load_links(path: Optional[str] = None) -> Dict[str, Any]:
         for k in _MACHINE_FIELDS:
             if k in obj:
                 out[k] = _field(k, obj[k], _POSITIVE[k])
+        if "memory" in obj:       # rows (bytes, δ, γ, contention): tuning.links.measure_memory
+            out["memory"] = [[_field("memory", x, False) for x in row] for row in obj["memory"]]
+            if any(len(row) != 4 for row in out["memory"]):
+                raise ValueError("memory rows are (bytes, delta, gamma, contention)")
         return out
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         # ignored, so the link is measured again: a bad value must not fail every job
         warnings.warn(f"minicomm: ignoring corrupt link cache {path} (it is measured again): {e}",
                       stacklevel=2)

@@ -128,6 +128,68 @@ def probe_wake(pair, reps: int = 5) -> float:
 
 _local_cache: Dict[str, Tuple[float, float]] = {}
 
+MEMORY_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+MEMORY_PROBE_BYTES = 8 << 20    # bytes each probe moves (small arrays copied repeatedly)
+
+
+def _timed_copies(nbytes: int, threads: int, op: str, reps: int) -> float:
+    """Seconds per byte of ``op`` (np.copyto or an in-place np.add) on float32 arrays of
+    ``nbytes``, ``threads`` threads at once (numpy releases the GIL in both, so the threads
+    contend for the memory as ranks do; no process is started): the fastest of ``reps`` rounds,
+    a round's time that of its slowest thread."""
+    import threading
+    inner = max(1, MEMORY_PROBE_BYTES // nbytes)
+    arrs = [(np.ones(nbytes // 4, np.float32), np.ones(nbytes // 4, np.float32))
+            for _ in range(threads)]
+    best = math.inf
+    for _ in range(reps):
+        start = threading.Barrier(threads)
+        took = [0.0] * threads
+
+        def work(i: int) -> None:
+            a, b = arrs[i]
+            try:
+                start.wait(timeout=10.0)
+            except threading.BrokenBarrierError:
+                return
+            t = time.perf_counter()
+            for _ in range(inner):
+                if op == "copy":
+                    np.copyto(a, b)
+                else:
+                    np.add(a, b, out=a)
+            took[i] = time.perf_counter() - t
+        ts = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(timeout=30.0)
+        if all(x > 0 for x in took):
+            best = min(best, max(took))
+    return best / inner / nbytes
+
+
+def measure_memory(sizes=MEMORY_SIZES, reps: int = 7) -> Tuple[Tuple[float, ...], ...]:
+    """This machine's memory by working set, the rows of ``LinkModel.memory``: (bytes, δ, γ,
+    contention) per size, δ = memcpy and γ = in-place add in s per byte of array (one thread),
+    contention = how much slower each of two threads copying at once is (δ₂/δ₁ - 1, at least 0:
+    the memory bandwidth two ranks share). Estimator: the fastest of ``reps`` rounds for every
+    figure (the least disturbed on a shared machine; one- and two-thread rounds alternate), then
+    contention smoothed by a 3-point median across sizes (a burst of other work during the
+    two-thread rounds of one size reads as contention). About 0.5 s."""
+    best: Dict[Tuple[int, str], float] = {}
+    for _ in range(reps):
+        for nb in sizes:
+            for threads, op in ((1, "copy"), (1, "add"), (2, "copy")):
+                t = _timed_copies(nb, threads, op, 1)
+                best[(nb, f"{op}{threads}")] = min(best.get((nb, f"{op}{threads}"), math.inf), t)
+    raw = [min(MAX_CONTENTION, max(0.0, best[(nb, "copy2")] / best[(nb, "copy1")] - 1))
+           for nb in sizes]
+    smooth = [sorted(raw[max(0, i - 1):i + 2])[len(raw[max(0, i - 1):i + 2]) // 2]
+              for i in range(len(raw))]
+    return tuple((float(nb), best[(nb, "copy1")], best[(nb, "add1")], c)
+                 for nb, c in zip(sizes, smooth))
+
 
 def measure_local() -> Tuple[float, float]:
     """(γ, δ) of this machine: numpy in-place add and memcpy of 32 MiB (beyond the caches, as

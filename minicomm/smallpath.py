@@ -1,0 +1,215 @@
+"""The small-message path: latency-bound calls run a schedule compiled to a flat list of ops.
+
+A call whose every message is small (at most the transport's ``small_bytes``, the size its
+``send_now`` / ``recv_now`` move on the spot) is latency-bound: the time goes into interpreting
+the schedule and into request objects and matching queues, not into moving bytes. For those
+calls the schedule is compiled once per (collective, algorithm, world size, rank, count, dtype,
+op, root) into a ``SmallPlan``: per step, the step index, the local ops, the sends and the
+receives as plain tuples with world ranks and buffer indices resolved. ``run_small`` walks that
+list and hands each message straight to the transport: ``send_now(peer, view, tag)`` writes it
+into the peer's ring (False: no room now, it is posted with ``isend`` instead);
+``recv_now(peer, view, tag, reduce, spin)`` takes (or reduces) the next record of the peer's ring
+if it is this receive's message, waiting for it at most ``spin`` seconds (False: it is posted
+with ``irecv`` and waited for by the transport's ordinary ``wait_all``, which sleeps, times out
+and reports failed peers and mismatched calls). No request object, no queue, no lock held while
+waiting.
+
+Still the same schedule. ``compile_small`` compiles from the ``Schedule`` itself, and
+``decompile`` turns a ``SmallPlan`` back into a ``Schedule`` (communicator ranks, buffer names,
+each step's ops in the order the compiled form runs them: local ops, then receives, then sends).
+``check_compiled`` proves the compiled form *is* the schedule: the decompiled steps equal the
+schedule's steps (taken in that execution order) op for op; ``compile_small`` runs it on every
+plan it builds, and ``verify_compiled`` runs the symbolic verifier on the decompiled forms of all
+ranks. Execution order within a step is the executor's (local ops, receives, sends, complete);
+sends go out before the receives are *waited* for, which is what eager rings allow and what the
+verifier's rendezvous semantics already prove deadlock-free.
+
+Restrictions: only schedules whose steps receive from distinct peers (a peer's messages arrive in
+FIFO order, so two receives of one step from one peer would need an ordering this path does not
+track) and whose messages all fit ``small_bytes``; everything else runs through the executor.
+Cost: per message one header write or read and one copy or reduce of the payload.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+from .schedule import IN, OUT, TMP, Copy, Recv, Reduce, Schedule, Send
+from .transports.base import Tag
+from .verifier import VerificationError, verify
+
+_BUFS = (IN, OUT, TMP)
+_INDEX = {IN: 0, OUT: 1, TMP: 2}
+_new_tag = tuple.__new__
+# The longest a receive waits on the spot for its message before it is posted and the transport's
+# wait (which spins briefly, then sleeps) takes over: a peer that is running answers well within.
+SMALL_SPIN_S = 40e-6
+# stands in a decompiled step for a "whole buffer" flag that does not describe its op (so the
+# step can never equal the schedule's)
+_WRONG_WHOLE = Copy("whole-flag", 0, "whole-flag", 0, -1)
+
+
+class SmallPlan:
+    """A schedule compiled for the small-message path (module doc).
+
+    ``steps``: per communicating or local step ``(index, local, sends, recvs)``; ``local`` holds
+    ``(reduce?, src buffer, src offset, dst buffer, dst offset, count, whole)``, ``sends``
+    ``(world peer, buffer, lo, hi, whole)``, ``recvs`` ``(world peer, buffer, lo, hi, reduce?,
+    whole)``; buffers are indices into (in, out, tmp), offsets in elements; ``whole`` says the
+    regions are entire buffers (no view to cut)."""
+    __slots__ = ("steps", "tmp_count", "group", "schedule")
+
+    def __init__(self, steps, tmp_count: int, group: Tuple[int, ...], schedule: Schedule):
+        self.steps, self.tmp_count, self.group, self.schedule = steps, tmp_count, group, schedule
+
+
+def eligible(schedule: Schedule, itemsize: int, small_bytes: int) -> bool:
+    """True if ``schedule`` may run on the small-message path (module doc: restrictions)."""
+    limit = small_bytes // max(itemsize, 1)
+    for st in schedule.steps:
+        peers = set()
+        for o in st:
+            if isinstance(o, (Send, Recv)) and o.count > limit:
+                return False
+            if isinstance(o, Recv):
+                if o.peer in peers:
+                    return False
+                peers.add(o.peer)
+    return True
+
+
+def compile_small(schedule: Schedule, group: Sequence[int]) -> SmallPlan:
+    """Compile ``schedule`` (communicator ranks) for the communicator whose world ranks are
+    ``group``; the result is checked against the schedule (``check_compiled``)."""
+    group = tuple(group)
+    sizes = {IN: schedule.in_count, OUT: schedule.out_count, TMP: schedule.tmp_count}
+
+    def whole(buf: str, off: int, n: int) -> bool:
+        return off == 0 and n == sizes[buf]
+    steps = []
+    for i, st in enumerate(schedule.steps):
+        local, sends, recvs = [], [], []
+        for o in st:
+            if isinstance(o, Send):
+                sends.append((group[o.peer], _INDEX[o.buf], o.offset, o.offset + o.count,
+                              whole(o.buf, o.offset, o.count)))
+            elif isinstance(o, Recv):
+                recvs.append((group[o.peer], _INDEX[o.buf], o.offset, o.offset + o.count,
+                              bool(o.reduce), whole(o.buf, o.offset, o.count)))
+            else:
+                local.append((isinstance(o, Reduce), _INDEX[o.src], o.src_offset,
+                              _INDEX[o.dst], o.dst_offset, o.count,
+                              whole(o.src, o.src_offset, o.count)
+                              and whole(o.dst, o.dst_offset, o.count)))
+        steps.append((i, tuple(local), tuple(sends), tuple(recvs)))
+    plan = SmallPlan(tuple(steps), schedule.tmp_count, group, schedule)
+    check_compiled(plan, schedule)
+    return plan
+
+
+def decompile(plan: SmallPlan) -> Schedule:
+    """The schedule ``plan`` runs: communicator ranks, buffer names, every step's ops in the
+    order ``run_small`` issues them (local ops, receives, sends)."""
+    s = plan.schedule
+    rank_of = {w: r for r, w in enumerate(plan.group)}
+    steps = []
+    for _, local, sends, recvs in plan.steps:
+        ops = []
+        sizes = (s.in_count, s.out_count, plan.tmp_count)
+        for red, sb, so, db, do, n, whole in local:
+            ops.append((Reduce if red else Copy)(_BUFS[sb], so, _BUFS[db], do, n))
+            if whole and not (so == do == 0 and n == sizes[sb] == sizes[db]):
+                ops.append(_WRONG_WHOLE)
+        for peer, b, lo, hi, red, whole in recvs:
+            ops.append(Recv(rank_of[peer], _BUFS[b], lo, hi - lo, red))
+            if whole != (lo == 0 and hi == sizes[b]):
+                ops.append(_WRONG_WHOLE)
+        for peer, b, lo, hi, whole in sends:
+            ops.append(Send(rank_of[peer], _BUFS[b], lo, hi - lo))
+            if whole != (lo == 0 and hi == sizes[b]):
+                ops.append(_WRONG_WHOLE)
+        steps.append(tuple(ops))
+    return Schedule(s.collective, s.algorithm, s.rank, s.size, s.count, s.root, steps,
+                    s.in_count, s.out_count, plan.tmp_count)
+
+
+def _execution_order(step) -> Tuple:
+    """A step's ops as the executors issue them: local ops, receives, sends (each in order)."""
+    return (tuple(o for o in step if isinstance(o, (Copy, Reduce)))
+            + tuple(o for o in step if isinstance(o, Recv))
+            + tuple(o for o in step if isinstance(o, Send)))
+
+
+def check_compiled(plan: SmallPlan, schedule: Schedule) -> None:
+    """Raise ``VerificationError`` unless ``plan`` runs exactly ``schedule``: same steps, same
+    step indices (they travel in the tags), same ops in execution order, same scratch size."""
+    got = decompile(plan)
+    if [i for i, *_ in plan.steps] != list(range(len(schedule.steps))):
+        raise VerificationError(f"{schedule.summary()}: compiled step indices "
+                                f"{[i for i, *_ in plan.steps]} do not follow the schedule")
+    if got.tmp_count != schedule.tmp_count:
+        raise VerificationError(f"{schedule.summary()}: compiled plan uses tmp of "
+                                f"{got.tmp_count} elements, the schedule {schedule.tmp_count}")
+    for i, (mine, theirs) in enumerate(zip(got.steps, schedule.steps)):
+        want = _execution_order(theirs)
+        if mine != want:
+            raise VerificationError(f"{schedule.summary()}: compiled step {i} is {list(mine)}, "
+                                    f"the schedule's is {list(want)}")
+
+
+def verify_compiled(plans: Sequence[SmallPlan], *, topology=None):
+    """Symbolic verification (``minicomm.verifier.verify``) of what the compiled plans of all
+    ranks of one call run, plus ``check_compiled`` of each against its own schedule."""
+    for p in plans:
+        check_compiled(p, p.schedule)
+    return verify([decompile(p) for p in plans], topology=topology)
+
+
+def run_small(plan: SmallPlan, transport, bufs, kernel, tag: Tag, deadline: float, what: str,
+              spin: Optional[float] = None) -> None:
+    """Run ``plan`` on flat buffers ``bufs`` = (in, out, tmp) through ``transport``'s
+    ``send_now`` / ``recv_now``, falling back per message to ``isend`` / ``irecv`` +
+    ``wait_all`` (module doc). ``kernel(dst, src)`` reduces in place; ``tag`` is the call's."""
+    send_now, recv_now = transport.send_now, transport.recv_now
+    comm, seq, call, count = tag[0], tag[1], tag[3], tag[4]
+    if spin is None:
+        spin = SMALL_SPIN_S
+    for i, local, sends, recvs in plan.steps:
+        for red, sb, so, db, do, n, whole in local:
+            if whole:
+                d, src = bufs[db], bufs[sb]
+            else:
+                d, src = bufs[db][do:do + n], bufs[sb][so:so + n]
+            if red:
+                kernel(d, src)
+            else:
+                d[...] = src
+        if not (sends or recvs):
+            continue
+        t = _new_tag(Tag, (comm, seq, i, call, count))
+        reqs = None
+        for peer, b, lo, hi, whole in sends:
+            v = bufs[b] if whole else bufs[b][lo:hi]
+            if not send_now(peer, v, t):
+                if reqs is None:
+                    reqs = []
+                reqs.append(transport.isend(peer, v, t))
+        if len(recvs) == 1:
+            peer, b, lo, hi, red, whole = recvs[0]
+            v = bufs[b] if whole else bufs[b][lo:hi]
+            k = kernel if red else None
+            if not recv_now(peer, v, t, k, spin if reqs is None else 0.0):
+                if reqs is None:
+                    reqs = []
+                reqs.append(transport.irecv(peer, v, t, k))
+        elif recvs:
+            # several peers: take whichever has arrived, for at most ``spin`` in all
+            waiting = [(peer, bufs[b][lo:hi], kernel if red else None)
+                       for peer, b, lo, hi, red, _ in recvs]
+            waiting = transport.recv_now_many(waiting, t, spin if reqs is None else 0.0)
+            if waiting:
+                if reqs is None:
+                    reqs = []
+                for peer, v, k in waiting:
+                    reqs.append(transport.irecv(peer, v, t, k))
+        if reqs is not None:
+            transport.wait_all(reqs, deadline, what)

@@ -1,0 +1,215 @@
+"""The small-message path (minicomm.smallpath): the compiled form is the schedule, its results
+are numpy's, a mismatched call is still detected, and MINICOMM_SMALL_PATH=0 switches it off."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+import minicomm as mc
+from leaks import nothing_left_behind  # noqa: F401
+from minicomm.algorithms import FAMILIES, build_all, build_schedule
+from minicomm.schedule import COLLECTIVES, Copy, Recv, Reduce, Send
+from minicomm.smallpath import (
+    SmallPlan,
+    check_compiled,
+    compile_small,
+    decompile,
+    eligible,
+    verify_compiled,
+)
+from minicomm.verifier import VerificationError
+
+
+@pytest.mark.parametrize("coll", COLLECTIVES)
+@pytest.mark.parametrize("algo", FAMILIES)
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+def test_compiled_plans_verify_as_their_schedule(coll, algo, p):
+    topo = tuple(r * 2 // p for r in range(p)) if algo == "hier" else None
+    for count in (0, 1, 7):
+        scheds = build_all(coll, algo, p, count, p - 1, topo)
+        plans = [compile_small(s, range(p)) for s in scheds]
+        verify_compiled(plans, topology=topo)
+        for s, sp in zip(scheds, plans):
+            back = decompile(sp)
+            assert (back.collective, back.rank, back.count, len(back.steps)) == \
+                (s.collective, s.rank, s.count, len(s.steps))
+
+
+def test_compiled_plan_world_ranks_are_translated():
+    s = build_schedule("allreduce", "ring", 1, 3, 5, 0)
+    sp = compile_small(s, (10, 20, 30))
+    peers = {op[0] for _, _, sends, recvs in sp.steps for op in sends + recvs}
+    assert peers <= {10, 30} and peers
+    assert decompile(sp).steps[1] == tuple(
+        o for o in s.steps[1] if not isinstance(o, (Send, Recv))) + tuple(
+        o for o in s.steps[1] if isinstance(o, Recv)) + tuple(
+        o for o in s.steps[1] if isinstance(o, Send))
+
+
+def _tampered(sp: SmallPlan, fn) -> SmallPlan:
+    steps = [list(st) for st in sp.steps]
+    fn(steps)
+    return SmallPlan(tuple(tuple(st) for st in steps), sp.tmp_count, sp.group, sp.schedule)
+
+
+def test_check_compiled_catches_a_wrong_plan():
+    """Negative controls: each corruption of a correct compiled plan is caught."""
+    s = build_schedule("allreduce", "rhd", 0, 4, 8, 0)
+    sp = compile_small(s, range(4))
+    check_compiled(sp, s)
+
+    def wrong_offset(steps):
+        i = next(k for k, st in enumerate(steps) if st[2])
+        peer, b, lo, hi, whole = steps[i][2][0]
+        steps[i][2] = ((peer, b, lo + 1, hi + 1, whole),) + tuple(steps[i][2][1:])
+
+    def dropped_recv(steps):
+        i = next(k for k, st in enumerate(steps) if st[3])
+        steps[i][3] = steps[i][3][1:]
+
+    def flipped_reduce(steps):
+        i = next(k for k, st in enumerate(steps) if st[3])
+        peer, b, lo, hi, red, whole = steps[i][3][0]
+        steps[i][3] = ((peer, b, lo, hi, not red, whole),) + tuple(steps[i][3][1:])
+
+    def wrong_whole_flag(steps):
+        i = next(k for k, st in enumerate(steps) if st[3])
+        peer, b, lo, hi, red, whole = steps[i][3][0]
+        steps[i][3] = ((peer, b, lo, hi, red, not whole),) + tuple(steps[i][3][1:])
+
+    def local_copy_for_reduce(steps):
+        i = next(k for k, st in enumerate(steps) if st[1])
+        red, *rest = steps[i][1][0]
+        steps[i][1] = ((not red, *rest),) + tuple(steps[i][1][1:])
+
+    def renumbered(steps):
+        steps[0][0] = 5
+
+    for corrupt in (wrong_offset, dropped_recv, flipped_reduce, local_copy_for_reduce,
+                    wrong_whole_flag, renumbered):
+        with pytest.raises(VerificationError):
+            check_compiled(_tampered(sp, corrupt), s)
+
+
+def test_verify_compiled_catches_a_plan_that_is_not_a_correct_schedule():
+    """A compiled plan that matches a *wrong* schedule passes check_compiled but fails the
+    symbolic verifier: rank 0's reductions (on arrival or local) become plain copies."""
+    scheds = build_all("allreduce", "rhd", 2, 3, 0)
+
+    def unreduced(o):
+        if isinstance(o, Recv):
+            return dataclasses.replace(o, reduce=False)
+        if isinstance(o, Reduce):
+            return Copy(o.src, o.src_offset, o.dst, o.dst_offset, o.count)
+        return o
+    bad0 = dataclasses.replace(scheds[0], steps=[tuple(unreduced(o) for o in st)
+                                                 for st in scheds[0].steps])
+    plans = [compile_small(bad0, range(2)), compile_small(scheds[1], range(2))]
+    with pytest.raises(VerificationError):
+        verify_compiled(plans)
+
+
+def test_eligibility():
+    s = build_schedule("allreduce", "ring", 0, 4, 4096, 0)
+    assert eligible(s, 4, 16 << 10)
+    assert not eligible(s, 8, 1 << 10)            # 1024-element blocks of 8 bytes > 1 KiB
+
+
+def _reference_run(comm):
+    """Every collective at small sizes against numpy references, on every family."""
+    p, r = comm.size, comm.rank
+    bad = []
+    for algo in ("ring", "tree", "rhd", "hier", "auto"):
+        for n in (0, 1, 5, 33):
+            for dt in (np.float32, np.int64, np.complex128):
+                x = ((np.arange(n) % 7 + 1) * (r + 1)).astype(dt)
+                everyone = [((np.arange(n) % 7 + 1) * (q + 1)).astype(dt) for q in range(p)]
+                total = sum(everyone) if n else np.zeros(0, dt)
+                blocks = np.stack([(np.arange(n) % 5 + q * 10 + r).astype(dt)
+                                   for q in range(p)])
+                kw = {"algorithm": algo}
+                checks = {
+                    "allreduce": (comm.allreduce(x, **kw), total),
+                    "allreduce out=x": (comm.allreduce(x.copy(), out=None, **kw), total),
+                    "broadcast": (comm.broadcast(x, root=p - 1, **kw), everyone[p - 1]),
+                    "reduce": (comm.reduce(x, root=0, **kw), total if r == 0 else None),
+                    "allgather": (comm.allgather(x, **kw), np.stack(everyone)),
+                    "gather": (comm.gather(x, root=p - 1, **kw),
+                               np.stack(everyone) if r == p - 1 else None),
+                    "reduce_scatter": (comm.reduce_scatter(blocks, **kw),
+                                       sum((np.arange(n) % 5 + r * 10 + q).astype(dt)
+                                           for q in range(p))),
+                    "alltoall": (comm.alltoall(blocks, **kw),
+                                 np.stack([(np.arange(n) % 5 + r * 10 + q).astype(dt)
+                                           for q in range(p)])),
+                    "scatter": (comm.scatter(blocks if r == 0 else None, root=0, **kw),
+                                (np.arange(n) % 5 + r * 10 + 0).astype(dt)),
+                }
+                inplace = x.copy()
+                comm.allreduce(inplace, out=inplace, **kw)
+                checks["allreduce in place"] = (inplace, total)
+                for name, (got, want) in checks.items():
+                    if want is None:
+                        ok = got is None
+                    else:
+                        ok = got is not None and got.dtype == want.dtype and \
+                            np.array_equal(got, want)
+                    if not ok:
+                        bad.append((algo, n, np.dtype(dt).name, name))
+                comm.barrier(algorithm=algo if algo != "auto" else None)
+    smalls = sum(1 for c in comm._calls.values() if c.small is not None)
+    return bad, smalls
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_small_path_results_match_numpy_over_shm(p):
+    res = mc.spawn(_reference_run, world_size=p, transport="shm", timeout=240)
+    for bad, smalls in res:
+        assert bad == []
+        assert smalls > 0                         # the small path really ran
+
+
+def test_small_path_off_switch(monkeypatch):
+    monkeypatch.setenv("MINICOMM_SMALL_PATH", "0")
+
+    def run(comm):
+        y = comm.allreduce(np.ones(3, np.float32), algorithm="rhd")
+        import minicomm.communicator as cm
+        return y.tolist(), cm._SMALL_OFF, sum(1 for c in comm._calls.values() if c.small)
+    for y, off, smalls in mc.spawn(run, world_size=2, transport="shm", timeout=120):
+        assert y == [2.0, 2.0, 2.0] and off and smalls == 0
+
+
+def _mismatch(comm):
+    x = np.ones(4, np.float32)
+    try:
+        if comm.rank == 0:
+            comm.allreduce(x, op="sum", algorithm="rhd")
+        else:
+            comm.allreduce(x, op="max", algorithm="rhd")
+    except mc.MismatchError as e:
+        return "mismatch", str(e)
+    except mc.CommError as e:
+        return type(e).__name__, str(e)
+    return "none", ""
+
+
+def test_small_path_still_detects_a_mismatch():
+    res = mc.spawn(_mismatch, world_size=2, transport="shm", timeout=120)
+    kinds = [k for k, _ in res]
+    assert "mismatch" in kinds, res
+    assert "none" not in kinds, res
+
+
+def _shape_mismatch(comm):
+    x = np.ones(4 if comm.rank == 0 else 5, np.float32)
+    try:
+        comm.allreduce(x, algorithm="ring")
+    except mc.CommError as e:
+        return type(e).__name__
+    return "none"
+
+
+def test_small_path_detects_a_count_mismatch():
+    res = mc.spawn(_shape_mismatch, world_size=3, transport="shm", timeout=120)
+    assert "none" not in res and "MismatchError" in res, res
