@@ -73,6 +73,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 from ..communicator import Communicator
 from ..errors import CommError, CommTimeout
 from ..rendezvous import StoreServer, new_token
+from . import lifeline
 from .world import connect_world
 
 FOREIGN_SETUP_TIMEOUT = 30.0      # seconds, under launchers other than minicomm's own
@@ -719,6 +720,11 @@ def init(transport: Optional[str] = None, timeout: Optional[float] = None,
     rendezvous (default ``MINICOMM_SETUP_TIMEOUT``, else 30 s under foreign launchers)."""
     env = dict(os.environ)
     launch = detect(env)
+    if env.get("MINICOMM_LAUNCHER_PID", "").isdigit():
+        # started by minicomm run / the ssh agent through the lifeline: SIGTERM (the launcher's,
+        # or the kernel's when the launcher died) is an orderly exit that unlinks our segments
+        lifeline.install_orderly_exit(int(env["MINICOMM_LAUNCHER_PID"]),
+                                      env.get("MINICOMM_JOB_ID"))
     if launch.rank == 0:          # once per job, not once per rank
         for note in launch.notes:
             print(f"minicomm: {note}", file=sys.stderr)

@@ -33,6 +33,7 @@ from ..communicator import Communicator
 from ..cost import LinkModel
 from ..errors import CommError, PeerFailure, SpawnError
 from ..rendezvous import StoreServer
+from .lifeline import EXEC_UNDER_LIFELINE
 from .world import TRANSPORTS, node_map
 
 FAILURE_GRACE = 5.0     # seconds the surviving ranks get to notice a failure by themselves
@@ -136,7 +137,8 @@ def _spawn_processes(fn, world_size, args, transport, topology, timeout):
                        job_id=job_id, transport=transport, timeout=timeout, result_fd=wfd,
                        sys_path=list(sys.path), cwd=os.getcwd())
             payload = cloudpickle.dumps(cfg) + blob
-            p = subprocess.Popen([sys.executable, "-m", "minicomm.launch.worker"], stdin=subprocess.PIPE,
+            p = subprocess.Popen([sys.executable, "-m", "minicomm.launch.worker", str(os.getpid())],
+                                 stdin=subprocess.PIPE,
                                  pass_fds=(wfd,), cwd=os.getcwd())
             os.close(wfd)
             readers[rank] = rfd
@@ -225,7 +227,11 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
               timeout: Optional[float] = None, python: str = sys.executable,
               out=None) -> int:
     """``minicomm run -n N script.py args`` on this box: start N ranks, prefix their output with
-    ``[rank]``, end them all when one fails or on Ctrl-C/SIGTERM; return the exit status."""
+    ``[rank]``, end them all when one fails or on Ctrl-C/SIGTERM; return the exit status.
+
+    Each rank is exec'd through lifeline.EXEC_UNDER_LIFELINE: if this launcher dies (even by
+    SIGKILL) the kernel sends every rank SIGTERM, and ``mc.init`` gave the rank an orderly SIGTERM
+    exit that unlinks its segments and sweeps the job's (lifeline.py)."""
     out = out or sys.stdout.buffer
     topology = node_map(nprocs, nodes)
     job_id = secrets.token_hex(6)
@@ -250,10 +256,13 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
                        MINICOMM_HOST=socket.gethostname(),    # the nodes are emulated: one host
                        MINICOMM_MASTER_ADDR="127.0.0.1", MINICOMM_MASTER_PORT=str(server.port),
                        MINICOMM_JOB_TOKEN=token.hex(), MINICOMM_JOB_ID=job_id,
-                       MINICOMM_TRANSPORT=transport, PYTHONUNBUFFERED="1")
+                       MINICOMM_TRANSPORT=transport, PYTHONUNBUFFERED="1",
+                       MINICOMM_LAUNCHER_PID=str(os.getpid()))
             if timeout is not None:
                 env["MINICOMM_TIMEOUT"] = str(timeout)
-            p = subprocess.Popen([python] + list(argv), stdout=subprocess.PIPE,
+            # through the lifeline: the rank gets SIGTERM if this launcher dies, even by SIGKILL
+            p = subprocess.Popen([python, "-S", "-c", EXEC_UNDER_LIFELINE, str(os.getpid()),
+                                  python] + list(argv), stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, env=env, start_new_session=True)
             procs.append(p)
             for stream in (p.stdout, p.stderr):
