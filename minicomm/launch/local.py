@@ -78,6 +78,9 @@ def _spawn_threads(fn, world_size, args, topology, timeout):
     lock = threading.Lock()
     model = LinkModel.for_transports("inproc", "inproc")
 
+    finished = threading.Condition()
+    done = []
+
     def body(rank: int):
         comm = Communicator(InprocTransport(fabric, rank), rank, world_size, topology=topology,
                             timeout=timeout, check="full", link_model=model)
@@ -90,19 +93,32 @@ def _spawn_threads(fn, world_size, args, topology, timeout):
             fabric.abort(rank, e)
         finally:
             comm.close()
+            with finished:
+                done.append(rank)
+                finished.notify_all()
 
     threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"minicomm-rank{r}")
                for r in range(world_size)]
     for t in threads:
         t.start()
-    end = None if timeout is None else time.monotonic() + timeout + FAILURE_GRACE
-    for r, t in enumerate(threads):
-        t.join(None if end is None else max(0.0, end - time.monotonic()))
-    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    # As for processes: ``timeout`` is the ranks' per-wait limit, not a job deadline. A healthy
+    # job runs as long as it computes; after the first failure the others get a grace period.
+    with finished:
+        while len(done) < world_size:
+            with lock:
+                first = min((f[0] for f in failures), default=None)
+            if first is None:
+                finished.wait(60.0)          # woken by each finishing rank; re-checks failures
+                continue
+            left = first + FAILURE_GRACE - time.monotonic()
+            if left <= 0:
+                break
+            finished.wait(left)
+    hung = [r for r in range(world_size) if r not in done]
     if hung:
-        fabric.abort(hung[0], CommError("spawn timeout"))
-        failures.extend((time.monotonic(), r, f"still running after timeout={timeout}s", False, "")
-                        for r in hung)
+        fabric.abort(hung[0], CommError("spawn: the job failed"))
+        failures.extend((time.monotonic(), r, f"still running {FAILURE_GRACE:.0f}s after the job "
+                         f"failed", True, "") for r in hung)
     if failures:
         _raise_spawn_error(failures, world_size)
     return results
