@@ -33,6 +33,7 @@ from ..communicator import Communicator
 from ..cost import LinkModel
 from ..errors import CommError, PeerFailure, SpawnError
 from ..rendezvous import StoreServer
+from ..transports import fault
 from .lifeline import EXEC_UNDER_LIFELINE
 from .world import TRANSPORTS, node_map
 
@@ -78,11 +79,14 @@ def _spawn_threads(fn, world_size, args, topology, timeout):
     lock = threading.Lock()
     model = LinkModel.for_transports("inproc", "inproc")
 
+    # MINICOMM_FAULT (checked here, in the caller: a bad value is its ValueError)
+    transports = [fault.wrap(InprocTransport(fabric, r), r, processes=False)
+                  for r in range(world_size)]
     finished = threading.Condition()
     done = []
 
     def body(rank: int):
-        comm = Communicator(InprocTransport(fabric, rank), rank, world_size, topology=topology,
+        comm = Communicator(transports[rank], rank, world_size, topology=topology,
                             timeout=timeout, check="full", link_model=model)
         try:
             results[rank] = fn(comm, *args)

@@ -22,7 +22,7 @@ from ..communicator import Communicator
 from ..cost import LinkModel
 from ..errors import CommError, CommTimeout
 from ..rendezvous import AuthError, RendezvousError, StoreClient, StoreServer, rank_ranges
-from ..transports import connect
+from ..transports import connect, fault
 from ..transports.progress import SPIN_S
 
 TRANSPORTS = ("auto", "shm", "tcp", "rdma", "ub", "inproc")
@@ -72,6 +72,7 @@ def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
     ``close``; minicomm.torch adapts the c10d store torch gives a backend). This rank joins it;
     ``master_port``, ``host_store`` and ``store_server`` are not used."""
     rank, size = cfg["rank"], cfg["size"]
+    fault.from_env()             # a bad MINICOMM_FAULT is a ValueError before anything is built
     token = bytes.fromhex(cfg["token"])
     timeout = cfg.get("timeout")
     env_timeout = os.environ.get("MINICOMM_TIMEOUT")
@@ -132,6 +133,7 @@ def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
         if server is not None:
             server.close()
         raise
+    t = fault.wrap(t, rank)      # MINICOMM_FAULT: t itself unless set (then no per-message cost)
     intra, inter = link_names(kind, len(set(topology)) > 1)
     comm = Communicator(t, rank, size, topology=topology, timeout=timeout,
                         link_model=LinkModel.for_transports(intra, inter, spin=SPIN_S))
