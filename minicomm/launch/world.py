@@ -142,8 +142,13 @@ def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
         # rank 0's measured (or cached) links and tuned table, so auto agrees on every rank
         if _link_agreement is not None:
             comm.link_model = _link_agreement(comm, intra, inter)
-    except BaseException:
-        comm.close()
+    except BaseException as e:
+        # a failing rank is not a finished one: peers must hear of a failure (abort), not the
+        # orderly goodbye close() alone sends (they reported "it finished")
+        try:
+            t.abort(f"{type(e).__name__}: {e}")
+        finally:
+            comm.close()
         raise
     if comm.debug_info and hasattr(t, "describe"):
         comm._log(f"transports: {t.describe()}")
