@@ -134,6 +134,7 @@ def rank_rma(comm, victim, at, phase, how, passive):
             win.unlock(target)
             comm.barrier()
             np.testing.assert_array_equal(win.local[(r - 1) % n], i + 1)
+            comm.barrier()              # nobody accumulates the next round before all checked
         else:
             win.fence()
             win.put(np.array([float(i)]), (r + 1) % n, r)
