@@ -4,8 +4,10 @@
 Process worlds: the parent hosts the rendezvous store (authenticated with a fresh job token),
 starts ``world_size`` interpreters running ``python -m minicomm.launch.worker``, and hands each
 its function, arguments and configuration over its stdin (cloudpickle; the token never appears on a command
-line). Each child writes one result record to a private pipe. The child keeps reading its stdin:
-end-of-file means the parent is gone, and the child exits rather than linger as an orphan.
+line). Each child writes one result record to a private pipe. A child dies with its parent: the
+kernel sends it SIGTERM when the parent dies (PR_SET_PDEATHSIG, lifeline.py), and its stdin
+reaching end-of-file says the same; either way it leaves through an orderly, bounded exit that
+unlinks its /dev/shm segments and sweeps the job's, so a killed caller leaves nothing behind.
 
 Failure policy (what ``SpawnError`` reports): the first rank to fail with its own error is the root
 cause; ranks that then fail with ``PeerFailure`` (they lost a peer) are listed after it. After the
