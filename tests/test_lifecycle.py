@@ -263,3 +263,26 @@ def test_minicomm_run_timeout_is_per_wait_and_names_the_silent_peer(tmp_path):
         assert "[0] minicomm.errors.CommTimeout" in out and "rank 1" in out, out
     finally:
         _kill_all(marker)
+
+
+# ------------------------------------------------------------------ a peer leaves during setup
+class _ReadyStore:
+    """A store in which every peer says its segment is ready (and then it is not there)."""
+    token = b"k" * 32
+
+    def set(self, key, value):
+        pass
+
+    def get(self, key, timeout=None):
+        return b"ready"
+
+
+def test_a_peer_that_left_during_shm_setup_is_a_peerfailure_not_a_filenotfounderror():
+    """Found by the chaos suite under load: a peer timed out in setup and unlinked its segment
+    between announcing it and our attach; the attach raised a bare FileNotFoundError."""
+    from minicomm.transports import shm
+    job = f"t{os.getpid()}{uuid.uuid4().hex[:6]}"
+    with pytest.raises(mc.PeerFailure, match="rank 1") as info:
+        shm.ShmTransport(0, 2, _ReadyStore(), job, [1], 5.0, token=b"k" * 32)
+    assert info.value.peer == 1
+    assert _segments(job) == []                 # ours was unlinked on the way out

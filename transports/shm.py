@@ -47,7 +47,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from minicomm.errors import CommError, CommTimeout
+from minicomm.errors import CommError, CommTimeout, PeerFailure
 from minicomm.rendezvous import accept_peers, dial_peer
 from . import segment
 from .base import ReduceFn, Request, Tag
@@ -235,7 +235,14 @@ class ShmTransport(LinkEngine):
 
     def _attach(self, p: _Peer) -> None:
         path = segment_path(self.job_id, p.rank)
-        fd = os.open(path, os.O_RDWR)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            # it said "ready", then left (failed or timed out in setup, unlinking its segment)
+            err = PeerFailure(f"shm: rank {p.rank} left during setup: its segment {path} is "
+                              f"gone")
+            err.peer = p.rank
+            raise err from None
         try:
             mm = mmap.mmap(fd, 0, flags=_MAP_FLAGS)
         finally:
