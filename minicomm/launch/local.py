@@ -291,7 +291,11 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
                 sel.register(stream, selectors.EVENT_READ, (rank, stream, bytearray()))
         open_streams = 2 * nprocs
         closed: Dict[int, int] = {}      # rank -> order in which its output first ended
+        drained: Dict[int, int] = {r: 0 for r in range(nprocs)}   # rank -> streams at EOF
+        last_error: Dict[int, bytes] = {}  # rank -> its last stderr line at column 0
         failed_at = None
+        first_death_at = None
+        dead_since: Dict[int, float] = {}
         while open_streams or any(p.poll() is None for p in procs):
             if stop["signal"] is not None and failed_at is None:
                 failed_at = time.monotonic()
@@ -309,6 +313,7 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
                         out.write(b"[%d] " % rank + bytes(pending) + b"\n")
                     sel.unregister(stream)
                     open_streams -= 1
+                    drained[rank] += 1
                     closed.setdefault(rank, len(closed))
                     continue
                 pending += data
@@ -316,16 +321,33 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
                 pending[:] = rest
                 for line in lines:
                     out.write(b"[%d] " % rank + line + b"\n")
+                    if stream is procs[rank].stderr and line[:1].strip():
+                        last_error[rank] = line    # an exception's line, not a frame or note
                 out.flush()
             # The first rank to fail is the root cause; the others may only have lost it. Ranks
             # found dead in one pass are ordered by when their output ended (the epoll ready
-            # list keeps that order), not by rank.
-            dead = [(closed.get(r, len(procs)), r) for r, p in enumerate(procs)
-                    if p.poll() not in (None, 0)]
-            for _, rank in sorted(dead)[:1]:
-                rc = procs[rank].poll()
-                if failed_at is None:
-                    failed_at = time.monotonic()
+            # list keeps that order), not by rank. A rank that died of a PeerFailure (its last
+            # error line says so) only lost a peer: while the peer that failed first may still
+            # be on its way out, the verdict waits for it (bounded by the grace period), so the
+            # cause is named, not the first of its casualties to exit.
+            now = time.monotonic()
+            for r, p in enumerate(procs):
+                if p.poll() not in (None, 0):
+                    dead_since.setdefault(r, now)
+            # read to the end first (its last error line), unless a child of it holds the pipes
+            dead = [(closed.get(r, len(procs)), r) for r, t in dead_since.items()
+                    if drained[r] == 2 or now >= t + FAILURE_GRACE]
+            if dead and failed_at is None:
+                if first_death_at is None:
+                    first_death_at = now
+                ordered = [r for _, r in sorted(dead)]
+                causes = [r for r in ordered
+                          if not last_error.get(r, b"").startswith(b"minicomm.errors.PeerFailure")]
+                everyone_done = all(p.poll() is not None for p in procs)
+                if causes or everyone_done or now >= first_death_at + FAILURE_GRACE:
+                    rank = (causes or ordered)[0]
+                    rc = procs[rank].poll()
+                    failed_at = now
                     exit_code = rc if rc > 0 else 128 - rc
                     msg = f"minicomm run: rank {rank} exited with status {rc}; ending the job\n"
                     out.write(msg.encode())
