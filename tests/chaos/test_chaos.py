@@ -45,7 +45,9 @@ CI_RUNS = 20
 RUNS = int(os.environ.get("MINICOMM_CHAOS_RUNS") or CI_RUNS)
 FIRST = int(os.environ.get("MINICOMM_CHAOS_SEED") or 0)
 SEEDS = range(FIRST, FIRST + RUNS)
-TIMEOUT = 3.0                 # the ranks' per-wait timeout in every case
+TIMEOUT = 3.0                 # the ranks' per-wait timeout in every case (set in the rank)
+SETUP_TIMEOUT = 60.0          # spawn's timeout bounds setup too: the box may be loaded (load 25+
+                              # made 3 s setups time out in 8 of 200 cases of the first long run)
 COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "gather",
                "scatter", "alltoall", "barrier")
 ALGORITHMS = ("auto", "ring", "tree", "rhd")
@@ -54,6 +56,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 # ------------------------------------------------------------------ the ranks' programs
+def with_wait_timeout(comm, fn, *args):
+    comm.timeout = TIMEOUT            # per wait, from here on (setup had SETUP_TIMEOUT)
+    return fn(comm, *args)
+
+
 def _collective(comm, name, algorithm, root, i):
     """One call of ``name``, its result checked against numpy (inputs have closed forms)."""
     n, r = comm.size, comm.rank
@@ -252,7 +259,8 @@ def _spawn(c, monkeypatch, fn, args, fault=None):
     from minicomm.launch import local
     started = time.monotonic()
     try:
-        return mc.spawn(fn, c["size"], args=args, transport=c["transport"], timeout=TIMEOUT), None
+        return mc.spawn(with_wait_timeout, c["size"], args=(fn, *args), transport=c["transport"],
+                        timeout=SETUP_TIMEOUT), None
     except mc.SpawnError as e:
         return None, str(e)
     finally:
@@ -346,7 +354,8 @@ def _run_launcher_case(c, tmp_path):
     marker = f"mc-chaos-{uuid.uuid4().hex[:10]}"
     script = tmp_path / f"{marker}.py"
     script.write_text(textwrap.dedent(RUN_SCRIPT))
-    env = dict(os.environ, MINICOMM_FAULT=f"crash:{c['crash_at']}:{c['how']},ranks:{c['victim']}")
+    env = dict(os.environ, MINICOMM_FAULT=f"crash:{c['crash_at']}:{c['how']},ranks:{c['victim']}",
+               MINICOMM_SETUP_TIMEOUT=str(SETUP_TIMEOUT))
     started = time.monotonic()
     try:
         r = subprocess.run([sys.executable, "-m", "minicomm.cli", "run", "-n", str(c["size"]),
