@@ -286,3 +286,18 @@ def test_a_peer_that_left_during_shm_setup_is_a_peerfailure_not_a_filenotfounder
         shm.ShmTransport(0, 2, _ReadyStore(), job, [1], 5.0, token=b"k" * 32)
     assert info.value.peer == 1
     assert _segments(job) == []                 # ours was unlinked on the way out
+
+
+def _one_lost_a_peer_one_hangs(comm):
+    if comm.rank == 1:
+        raise mc.PeerFailure("rank 1 lost a peer (made up)")
+    time.sleep(60)                      # never fails by itself: the launcher kills it
+
+
+def test_a_rank_killed_after_the_grace_is_never_the_root_cause():
+    """Found by the chaos suite: ranks killed after the grace period were stamped with the
+    monotonic clock, the ranks' own failures with the wall clock, so a killed rank sorted first."""
+    with pytest.raises(mc.SpawnError) as info:
+        mc.spawn(_one_lost_a_peer_one_hangs, 2, transport="shm", timeout=30)
+    root = str(info.value).splitlines()[0]
+    assert "root cause: rank 1: PeerFailure" in root, str(info.value)

@@ -210,7 +210,8 @@ def _collect(procs, readers, world_size, timeout):
                 if r not in finished:
                     procs[r].kill()
                     why = f"killed {FAILURE_GRACE:.0f}s after the job failed"
-                    failures.append((now, r, why, True, ""))
+                    # wall clock, as the ranks' own records (monotonic sorted it first)
+                    failures.append((time.time(), r, why, True, ""))
                     finished.add(r)
             break
         events = sel.select(None if limit is None else max(0.01, limit - now))
