@@ -29,7 +29,7 @@ from . import ops as _ops
 from .algorithms import FAMILIES, build_schedule
 from .cost import LinkModel, choose, parse_algo_env
 from .errors import CommError, CommTimeout, MismatchError, PeerFailure, describe_call, pack_call
-from .executor import Plan, run_plan
+from .executor import LazyCheck, Plan, run_plan
 from .p2p import ANY_SOURCE, ANY_TAG, MAX_TAG, P2PEngine, Status
 from .schedule import ROOTED
 from .transports.base import ABORT_CALL, ABORT_KINDS, Tag
@@ -319,7 +319,31 @@ class Communicator:
         bufs = (mine, everyone, self._tmp(np.dtype(np.int64), plan.tmp_count))
         run_plan(plan, self.transport, bufs, _ops.get_kernel("sum"), tag, self._deadline(),
                  f"fingerprint check of call #{seq + 1}")
-        rows = everyone.reshape(self.size, 3)
+        self._compare_fingerprints(everyone.reshape(self.size, 3), mine, call, count, seq)
+
+    def _post_fingerprints(self, call: int, count: int, shape: Tuple[int, ...]) -> LazyCheck:
+        """The fingerprint check of a rooted call without its round trip: every rank sends its
+        fingerprint to every other (small eager sends) and the call's data moves at once; the
+        steps' waits compare the fingerprints as they arrive and every rank compares all of them
+        before the call returns, so a disagreement (on the root above all: such ranks may never
+        exchange data) is still a MismatchError on every rank, where otherwise a wait would
+        time out. Same sequence number and tag as ``_fingerprint_check``'s allgather."""
+        mine = np.array([call, count, zlib.crc32(repr(tuple(shape)).encode())], dtype=np.int64)
+        seq = self._next_seq()
+        tag = Tag(self._ctx, seq, 0, pack_call("fingerprint", "none", "none", np.int64, -1), 3)
+        rows = np.empty((self.size, 3), dtype=np.int64)
+        rows[self.rank] = mine
+        t = self.transport
+        others = [r for r in range(self.size) if r != self.rank]
+        recvs = [t.irecv(self.group[r], rows[r], tag) for r in others]
+        sends = [t.isend(self.group[r], mine, tag) for r in others]   # 24 bytes: eager
+
+        def check():
+            self._compare_fingerprints(rows, mine, call, count, seq)
+        return LazyCheck(recvs, check, sends)
+
+    def _compare_fingerprints(self, rows: np.ndarray, mine: np.ndarray, call: int, count: int,
+                              seq: int) -> None:
         bad = [r for r in range(self.size) if not np.array_equal(rows[r], mine)]
         if bad:
             theirs = Tag(0, 0, 0, int(rows[bad[0]][0]), int(rows[bad[0]][1]))
@@ -378,8 +402,12 @@ class Communicator:
         # Headers catch a disagreement whenever the disagreeing ranks exchange a message. Ranks
         # that disagree on the *root* may never do so (each "root" only sends): rooted calls
         # therefore always exchange fingerprints first; check="full" does it for every call.
+        guard = None
         if fingerprint and self.size > 1 and (c.rooted or self.check == "full"):
-            self._fingerprint_check(c.call, count, shape)
+            if self.check == "full":
+                self._fingerprint_check(c.call, count, shape)
+            else:
+                guard = self._post_fingerprints(c.call, count, shape)
         self._seq += 1
         seq = self._seq
         if self.debug_info:
@@ -397,7 +425,7 @@ class Communicator:
             tmp = self._tmp(outb.dtype, n)
         run_plan(plan, self.transport, (inb, outb, tmp[:n]), c.kernel,
                  _new_tag(Tag, (self._ctx, seq, 0, c.call, count)),
-                 time.monotonic() + self.timeout, c.label)
+                 time.monotonic() + self.timeout, c.label, guard)
 
     # ------------------------------------------------------------------ argument helpers
     @staticmethod
@@ -626,6 +654,55 @@ class Communicator:
         def run():
             self._execute("barrier", empty, empty, 0, "none", 0, algorithm, ())
         return self._submit("barrier", run, async_op)
+
+    # ------------------------------------------------------------------ registered buffers
+    def empty(self, shape, dtype=np.float64) -> np.ndarray:
+        """An uninitialised array in *registered* memory, which the peers on this node can map
+        (as NCCL's user-buffer registration, MPI_Win_allocate_shared): over shm, a large message
+        from it is copied once, straight from this rank's memory into the receiver's
+        destination, with no staging ring and no system call. Use it like any array (in, out,
+        in place); where no peer can map it (tcp, inproc) it is a plain array. ``free`` ends
+        the registration. Cost: one /dev/shm segment per call (its name lives while it is
+        registered)."""
+        dtype = np.dtype(dtype)
+        if dtype.kind not in "biufc":
+            raise TypeError(f"minicomm moves numeric and bool arrays, got dtype {dtype}")
+        shape = tuple(int(d) for d in np.atleast_1d(shape)) if np.ndim(shape) else (int(shape),)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"empty: negative dimension in {shape}")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        from .transports import registered_memory
+        reg = registered_memory(self.transport)
+        if reg is None:
+            return np.empty(shape, dtype)
+        return reg.register_memory(nbytes).view(dtype).reshape(shape)
+
+    def register(self, array) -> np.ndarray:
+        """``array`` itself if it lies in registered memory already, else a registered copy of
+        it (same shape, dtype and values): pass the returned array to the collectives."""
+        arr = np.asarray(array)
+        if self.is_registered(arr) and arr.flags.c_contiguous:
+            return arr
+        reg = self.empty(arr.shape, arr.dtype)
+        reg[...] = arr
+        return reg
+
+    def is_registered(self, array) -> bool:
+        from .transports import registered_memory
+        reg = registered_memory(self.transport)
+        return (reg is not None and isinstance(array, np.ndarray)
+                and reg.is_registered(array))
+
+    def free(self, array) -> None:
+        """End the registration of memory from ``empty`` / ``register``: peers stop mapping it
+        and its name goes; the array itself stays valid as a plain (private) array. Do not
+        free a buffer an unfinished async_op call uses. A plain array is a ValueError."""
+        from .transports import registered_memory
+        reg = registered_memory(self.transport)
+        if reg is None:
+            return                    # it was a plain array all along (tcp, inproc)
+        if not isinstance(array, np.ndarray) or not reg.free_memory(array):
+            raise ValueError("free: the array is not registered memory of this communicator")
 
     # ------------------------------------------------------------------ point to point
     def _check_peer(self, rank: int, what: str, any_ok: bool) -> int:

@@ -51,6 +51,11 @@ def pack_call(collective: str, op: str, algorithm: str, dtype, root: int) -> int
             | ALGO_CODES.index(algorithm) << 9 | dnum << 13 | (root + 1) << 21)
 
 
+def call_reduces(call: int) -> bool:
+    """Whether the packed call ``call`` combines data with an op (its receives may reduce)."""
+    return (call >> 5) & 15 != 0
+
+
 def describe_call(tag) -> str:
     c = tag.call
     coll = COLLECTIVE_CODES[c & 31] if (c & 31) < len(COLLECTIVE_CODES) else "?"

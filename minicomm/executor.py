@@ -168,11 +168,50 @@ class _InOp:
         self.ufunc(self.src[lo:lo + dst.shape[0]], incoming, out=dst)
 
 
-def run_plan(plan: Plan, transport, bufs, kernel, tag: Tag, deadline: float, what: str) -> None:
+class LazyCheck:
+    """Receives that must complete, and pass ``check()``, before the call they guard may
+    return, without holding the call's data back: the steps' waits also watch them and run
+    ``check`` (which raises) as soon as all have arrived. The communicator uses it for the call
+    fingerprints of rooted collectives, so they cost no round trip before the data moves."""
+    __slots__ = ("recvs", "sends", "check", "settled")
+
+    def __init__(self, recvs, check, sends=()):
+        self.recvs, self.check, self.settled = recvs, check, False
+        self.sends = sends            # waited for at the end: the peers need them to return
+
+    def wait(self, transport, reqs, deadline: float, what: str) -> None:
+        """Wait for ``reqs`` as ``wait_all`` does, checking the guarded receives on arrival."""
+        while not self.settled:
+            fp = [r for r in self.recvs if not r.done]
+            if not fp:
+                self.settled = True
+                self.check()
+                break
+            pending = [r for r in reqs if not r.done]
+            if not pending:
+                return
+            transport.wait_any(pending + fp, deadline, what)
+        if reqs:
+            transport.wait_all(reqs, deadline, what)
+
+    def finish(self, transport, deadline: float, what: str) -> None:
+        """At the end of the call: every guarded receive arrived and passed, every send left."""
+        transport.wait_all(list(self.recvs) + list(self.sends), deadline, what)
+        if not self.settled:
+            self.settled = True
+            self.check()
+
+
+def run_plan(plan: Plan, transport, bufs, kernel, tag: Tag, deadline: float, what: str,
+             guard: "LazyCheck | None" = None) -> None:
     """Execute ``plan`` with flat buffers ``bufs`` = (in, out, tmp); ``kernel(dst, src)``
     reduces in place (and carries its ufunc as ``kernel.ufunc``). ``tag`` is the call's tag;
-    its ``step`` field is set per step."""
+    its ``step`` field is set per step. ``guard``: receives checked as they arrive, all of
+    them before the call returns (``LazyCheck``)."""
     isend, irecv, wait_all = transport.isend, transport.irecv, transport.wait_all
+    if guard is not None:
+        def wait_all(reqs, dl, w):
+            guard.wait(transport, reqs, dl, w)
     comm, seq, call, count = tag[0], tag[1], tag[3], tag[4]
     i = -1
     for local, posts in plan.steps:
@@ -204,3 +243,5 @@ def run_plan(plan: Plan, transport, bufs, kernel, tag: Tag, deadline: float, wha
                 src = bufs[0][fused:fused + hi - lo]
                 reqs.append(irecv(peer, view, t, _InOp(kernel.ufunc, view, src)))
         wait_all(reqs, deadline, what)
+    if guard is not None:
+        guard.finish(transport, deadline, what)

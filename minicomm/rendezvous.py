@@ -5,13 +5,30 @@ with a mutual HMAC-SHA256 challenge-response over the per-job random token (``MI
 hex). Each side sends a fresh 32-byte nonce and proves knowledge of the token with
 ``HMAC(token, role || nonce_server || nonce_client)``; binding both nonces and the role into each
 MAC rules out replay and reflection. Messages have fixed sizes, so an unauthenticated peer can make
-the server read at most 64 bytes and allocate nothing; the store never unpickles anything (its
-protocol is plain length-prefixed bytes) and the transports read no payload before the handshake
-succeeds.
+the server read at most 64 bytes (72 on a peer link: its rank) and allocate nothing; the store
+never unpickles anything (its protocol is plain length-prefixed bytes) and the transports read no
+payload before the handshake succeeds.
 
-Store. ``StoreServer`` serves set / blocking get / atomic add over one connection per client, one
-thread per connection, so a stray or stuck client never delays the others. ``StoreClient`` is
-thread-safe (one request at a time on its socket).
+Bounded pre-authentication work. Listeners (the store's, the ranks' peer-link listeners) run
+every incoming handshake non-blocking in one select loop: no thread per connection, at most
+``MAX_PENDING_HANDSHAKES`` unauthenticated connections at once (a newcomer beyond that evicts the
+oldest: a member answers within milliseconds, so the oldest is a stray), each cut at
+``HANDSHAKE_TIMEOUT``. On AF_UNIX listeners a connection from another user (``SO_PEERCRED``) is
+closed before a byte is sent. Refusals are logged (logger ``minicomm.rendezvous``, INFO) with
+the named error, e.g. ``AuthError: ... wrong job token``; nothing is raised in a background
+thread. A dialer that meets a full queue, a refused connection or a listener that dropped it
+before the handshake finished (EAGAIN, ECONNREFUSED, EOF) backs off and retries until the setup
+deadline.
+
+Store. ``StoreServer`` serves set / blocking get / atomic add. Authenticated members get a thread
+each (a blocking get must not delay the others); if that thread cannot be started (a thread
+limit) the member's connection is closed and logged, and the accept loop lives on. Values are
+read as they arrive (memory follows bytes actually sent, up to ``_MAX_VALUE``). A key is written
+once: a second writer (another connection) with a different value poisons the store (see
+"Membership"), so a stranger who knows a derived token cannot silently redirect a rank. Once a
+rank has joined, a connection that has not joined may not read or write keys at all (refused,
+``RendezvousError``); a store used without joins (tests, tools) keeps the open key-value mode.
+``StoreClient`` is thread-safe (one request at a time on its socket).
 
 Membership. A rank ``join``s the store before it uses it: (job identity, world size, rank, a
 random member id, host, pid). The store belongs to the first job that joins it (or the one it was
@@ -25,15 +42,16 @@ reports how many did (``CommTimeout``).
 
 Peer links. ``dial_peer`` and ``accept_peers`` build the authenticated full mesh that shm and tcp
 use: the higher rank dials the lower one, authenticates, and both sides exchange ranks. Incoming
-handshakes run on short-lived threads, so a stray connection that never speaks cannot stall the
-job's setup; it is dropped when its handshake times out.
+handshakes run in ``accept_peers``' select loop (above), so a stray connection that never speaks
+cannot stall the job's setup.
 """
 from __future__ import annotations
 
+import errno
 import hmac
 import json
+import logging
 import os
-import queue
 import secrets
 import selectors
 import socket
@@ -49,6 +67,10 @@ _MAGIC = b"minicomm-auth-v1"          # 16 bytes: also rejects clients speaking 
 _NONCE = 32
 _MAC = 32
 HANDSHAKE_TIMEOUT = 10.0              # per connection; a silent stray is dropped after this
+MAX_PENDING_HANDSHAKES = 64           # unauthenticated connections one listener keeps at once
+_ACCEPT_BURST = 64                    # connections accepted per wake-up (others stay queued)
+_RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+log = logging.getLogger("minicomm.rendezvous")
 
 
 class AuthError(CommError):
@@ -132,20 +154,200 @@ def authenticate_client(sock: socket.socket, token: bytes, timeout: float) -> No
     try:
         mac = _recv_exact(sock, _MAC, deadline, "authentication")
     except (PeerFailure, ConnectionResetError):   # a refusing server closes the connection
-        raise AuthError("the server refused our job token") from None
+        err = AuthError("the server closed the connection during authentication (it refused "
+                        "our job token, or dropped us as a stray under a flood)")
+        err.closed = True
+        raise err from None
     if not hmac.compare_digest(mac, _mac(token, b"server", ns, nc)):
         raise AuthError("the server failed authentication (it does not hold the job token)")
     sock.settimeout(None)
 
 
+def peer_uid(sock: socket.socket) -> Optional[int]:
+    """The uid of the process at the other end of an AF_UNIX socket (SO_PEERCRED), else None."""
+    if sock.family != socket.AF_UNIX or not hasattr(socket, "SO_PEERCRED"):
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+class _ServerHandshake:
+    """The server side of the handshake on a non-blocking socket, driven by readiness: reads
+    exactly the bytes the protocol allows (64, then 8 for the rank on a peer link) and keeps no
+    thread. ``step()`` returns True when done; raises AuthError on any deviation."""
+    __slots__ = ("sock", "token", "ns", "buf", "need", "stage", "deadline", "my_rank", "rank",
+                 "peer")
+
+    def __init__(self, sock: socket.socket, token: bytes, deadline: float,
+                 my_rank: Optional[int], peer: str):
+        self.sock, self.token, self.deadline, self.my_rank, self.peer = (sock, token, deadline,
+                                                                         my_rank, peer)
+        self.ns = secrets.token_bytes(_NONCE)
+        self.buf = bytearray()
+        self.need, self.stage, self.rank = _NONCE + _MAC, 0, None
+        sock.setblocking(False)
+        self._send(_MAGIC + self.ns)
+
+    def _send(self, data: bytes) -> None:
+        # a few dozen bytes into a fresh socket's buffer: anything short of all of it means the
+        # other side is not a well-behaved client
+        try:
+            sent = self.sock.send(data, socket.MSG_NOSIGNAL)
+        except OSError as e:
+            raise AuthError(f"connection lost during authentication ({e})") from None
+        if sent != len(data):
+            raise AuthError("client does not read its handshake")
+
+    def step(self) -> bool:
+        while True:
+            while len(self.buf) < self.need:
+                try:
+                    chunk = self.sock.recv(self.need - len(self.buf))
+                except (BlockingIOError, InterruptedError):
+                    return False
+                except OSError as e:
+                    raise AuthError(f"connection lost during authentication ({e})") from None
+                if not chunk:
+                    raise AuthError(f"client closed the connection after {len(self.buf)} of "
+                                    f"{self.need} handshake bytes")
+                self.buf += chunk
+            data, self.buf = bytes(self.buf), bytearray()
+            if self.stage == 0:
+                nc, mac = data[:_NONCE], data[_NONCE:]
+                if not hmac.compare_digest(mac, _mac(self.token, b"client", self.ns, nc)):
+                    raise AuthError("client failed authentication (wrong job token, or not a "
+                                    "minicomm client)")
+                self._send(_mac(self.token, b"server", self.ns, nc))
+                if self.my_rank is None:
+                    return True
+                self.stage, self.need = 1, _RANK.size
+            else:
+                (self.rank,) = _RANK.unpack(data)
+                self._send(_RANK.pack(self.my_rank))
+                return True
+
+
+class _Gate:
+    """Authenticates the incoming connections of one listener inside the owner's select loop:
+    no thread per connection, at most MAX_PENDING_HANDSHAKES pending (the oldest is evicted),
+    each cut at its deadline; AF_UNIX peers of another uid are closed before a byte is sent.
+    ``my_rank`` None: store handshakes; an int: peer-link handshakes (ranks are swapped too)."""
+
+    def __init__(self, listener: socket.socket, token: bytes, sel: selectors.BaseSelector,
+                 what: str, my_rank: Optional[int] = None,
+                 deadline: Optional[float] = None):
+        self.listener, self.token, self.sel, self.what = listener, token, sel, what
+        self.my_rank, self.deadline = my_rank, deadline
+        self.pending: Dict[socket.socket, _ServerHandshake] = {}   # insertion order = age
+        self.starved = 0.0            # accept failed for lack of descriptors: until when to wait
+        listener.setblocking(False)
+        sel.register(listener, selectors.EVENT_READ, self)
+
+    def _refuse(self, sock: socket.socket, peer: str, err: BaseException) -> None:
+        log.info("%s: refused connection from %s: %s: %s", self.what, peer, type(err).__name__,
+                 err)
+        self._drop(sock)
+
+    def _drop(self, sock: socket.socket) -> None:
+        if self.pending.pop(sock, None) is not None:
+            try:
+                self.sel.unregister(sock)
+            except (KeyError, ValueError):
+                pass
+        sock.close()
+
+    def on_listener(self) -> None:
+        for _ in range(_ACCEPT_BURST):
+            try:
+                sock, addr = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno in _RESOURCE_ERRNOS:
+                    # out of descriptors: shed the oldest stray, and let the queue wait a moment
+                    log.warning("%s: cannot accept (%s); shedding unauthenticated connections",
+                                self.what, e)
+                    if self.pending:
+                        old = next(iter(self.pending))
+                        self._refuse(old, self.pending[old].peer,
+                                     AuthError("evicted: out of file descriptors"))
+                    else:         # nothing to shed: stop polling the listener for 50 ms
+                        self.starved = time.monotonic() + 0.05
+                        self.sel.unregister(self.listener)
+                    return
+                continue              # ECONNABORTED and the like: that connection only
+            peer = str(addr) if addr else "a local process"
+            try:
+                uid = peer_uid(sock)
+                if uid is not None:
+                    peer = f"a local process of uid {uid}"
+                    if uid != os.geteuid():
+                        raise AuthError(f"uid {uid} is not this job's user ({os.geteuid()})")
+                if len(self.pending) >= MAX_PENDING_HANDSHAKES:
+                    old = next(iter(self.pending))
+                    self._refuse(old, self.pending[old].peer,
+                                 AuthError(f"evicted: more than {MAX_PENDING_HANDSHAKES} "
+                                           f"unauthenticated connections at once"))
+                deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+                if self.deadline is not None:
+                    deadline = min(deadline, max(self.deadline, time.monotonic() + 0.1))
+                hs = _ServerHandshake(sock, self.token, deadline, self.my_rank, peer)
+            except (AuthError, OSError) as e:
+                self._refuse(sock, peer, e if isinstance(e, AuthError) else AuthError(str(e)))
+                continue
+            self.pending[sock] = hs
+            self.sel.register(sock, selectors.EVENT_READ, hs)
+
+    def on_ready(self, hs: _ServerHandshake) -> Optional[_ServerHandshake]:
+        """Drive one handshake; the finished handshake (its socket no longer registered, still
+        non-blocking) or None."""
+        try:
+            done = hs.step()
+        except AuthError as e:
+            self._refuse(hs.sock, hs.peer, e)
+            return None
+        if not done:
+            return None
+        self.pending.pop(hs.sock, None)
+        self.sel.unregister(hs.sock)
+        return hs
+
+    def expire(self) -> Optional[float]:
+        """Close handshakes past their deadline; seconds until the next one (None: none)."""
+        now = time.monotonic()
+        nxt = None
+        for sock, hs in list(self.pending.items()):
+            if hs.deadline <= now:
+                self._refuse(sock, hs.peer, AuthError("handshake timed out"))
+            elif nxt is None or hs.deadline - now < nxt:
+                nxt = hs.deadline - now
+        if self.starved:
+            if self.starved > now:
+                nxt = min(nxt, self.starved - now) if nxt is not None else self.starved - now
+            else:
+                self.starved = 0.0
+                self.sel.register(self.listener, selectors.EVENT_READ, self)
+        return nxt
+
+    def close(self) -> None:
+        for sock in list(self.pending):
+            self._drop(sock)
+
+
 # ------------------------------------------------------------------------------------ store
 _OP_SET, _OP_GET, _OP_ADD, _OP_JOIN, _OP_WAIT_WORLD = 1, 2, 3, 4, 5
-_ST_OK, _ST_TIMEOUT, _ST_ERROR, _ST_REFUSED = 0, 1, 2, 3
+_ST_OK, _ST_TIMEOUT, _ST_ERROR, _ST_REFUSED, _ST_POISONED = 0, 1, 2, 3, 4
 _MAX_JOIN = 1 << 16                   # a join record is a small JSON object
 _REQ = struct.Struct("!BIQ")          # op, key length, value length
 _RESP = struct.Struct("!BQ")          # status, payload length
 _MAX_KEY = 4096
-_MAX_VALUE = 1 << 30
+_MAX_VALUE = 1 << 28                  # 256 MiB; read as it arrives, never allocated up front
+_READ_CHUNK = 1 << 20
+
+
+class StoreProtocolError(CommError):
+    """An authenticated store client sent a request that breaks the protocol (its connection is
+    closed; the store and the other clients go on)."""
 
 
 class StoreServer:
@@ -164,6 +366,8 @@ class StoreServer:
         self._complete = False
         self._poisoned: Optional[str] = None     # why every call now fails
         self._data: Dict[str, bytes] = {}
+        self._writer: Dict[str, int] = {}        # key -> the connection that wrote it first
+        self._conn_member: Dict[int, dict] = {}  # connection -> its join record
         self._cond = threading.Condition()
         self._closed = False
         self._conns = set()
@@ -178,69 +382,114 @@ class StoreServer:
         self._thread.start()
 
     def _accept_loop(self) -> None:
+        """Accept and authenticate in one select loop (bounded: see the module header); only an
+        authenticated member gets a thread. Never dies before close(): an unexpected error costs
+        at most the connection it concerned."""
         sel = selectors.DefaultSelector()
-        sel.register(self._listener, selectors.EVENT_READ)
-        sel.register(self._wake_r, selectors.EVENT_READ)
+        gate = _Gate(self._listener, self._token, sel, f"rendezvous store :{self.port}")
+        sel.register(self._wake_r, selectors.EVENT_READ, None)
         try:
             while not self._closed:
-                for key, _ in sel.select():
-                    if key.fileobj is self._wake_r or self._closed:
-                        return
-                    try:
-                        conn, _ = self._listener.accept()
-                    except OSError:
-                        continue
-                    t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                                         name=f"minicomm-store:{self.port}-conn")
-                    with self._cond:
-                        self._conns.add(conn)
-                        self._threads.add(t)
-                    t.start()
+                try:
+                    for key, _ in sel.select(gate.expire()):
+                        if key.data is None or self._closed:
+                            return
+                        if key.data is gate:
+                            gate.on_listener()
+                        else:
+                            hs = gate.on_ready(key.data)
+                            if hs is not None:
+                                self._start_member(hs.sock, hs.peer)
+                except Exception as e:        # a bug must not end the store for everyone
+                    log.warning("rendezvous store :%s: accept loop error %s: %s (continuing)",
+                                self.port, type(e).__name__, e)
         finally:
+            gate.close()
             sel.close()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _start_member(self, conn: socket.socket, peer: str) -> None:
+        conn.setblocking(True)
+        t = threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
+                             name=f"minicomm-store:{self.port}-conn")
+        with self._cond:
+            self._conns.add(conn)
+            self._threads.add(t)
         try:
-            authenticate_server(conn, self._token, HANDSHAKE_TIMEOUT)
+            t.start()
+        except RuntimeError as e:             # can't start new thread: that member only
+            log.warning("rendezvous store :%s: closing an authenticated connection from %s: "
+                        "%s: %s", self.port, peer, type(e).__name__, e)
+            with self._cond:
+                self._conns.discard(conn)
+                self._threads.discard(t)
+            conn.close()
+
+    def _serve(self, conn: socket.socket, peer: str = "?") -> None:
+        cid = id(conn)
+        try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        try:
             while not self._closed:
                 head = _recv_or_eof(conn, _REQ.size)
                 if head is None:
                     return
                 op, klen, vlen = _REQ.unpack(head)
                 if klen > _MAX_KEY or vlen > _MAX_VALUE:
-                    return            # a client that breaks the protocol loses its connection
+                    raise StoreProtocolError(f"request of key length {klen}, value length {vlen}"
+                                             f" (limits {_MAX_KEY}, {_MAX_VALUE})")
                 key = _recv_or_eof(conn, klen)
                 value = _recv_or_eof(conn, vlen) if vlen else b""
                 if key is None or value is None:
                     return
-                status, payload = self._handle(op, key.decode(), value)
+                try:
+                    status, payload = self._handle(op, key.decode(), value, cid)
+                except (UnicodeDecodeError, struct.error, ValueError, OverflowError) as e:
+                    raise StoreProtocolError(f"malformed request (op {op}): {e}") from None
                 conn.sendall(_RESP.pack(status, len(payload)) + payload)
-        except (AuthError, OSError, UnicodeDecodeError, struct.error):
-            pass                      # refused or gone: the other clients are unaffected
+        except StoreProtocolError as e:       # a member broke the protocol: its connection ends
+            log.warning("rendezvous store :%s: closing the connection of %s: "
+                        "StoreProtocolError: %s", self.port, peer, e)
+        except OSError:
+            pass                      # gone: the other clients are unaffected
         finally:
             with self._cond:
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
+                self._conn_member.pop(cid, None)
             conn.close()
 
-    def _handle(self, op: int, key: str, value: bytes) -> Tuple[int, bytes]:
+    def _handle(self, op: int, key: str, value: bytes, cid: int = 0) -> Tuple[int, bytes]:
         with self._cond:
             if self._poisoned is not None:
-                return _ST_ERROR, self._poisoned.encode()
+                return _ST_POISONED, self._poisoned.encode()
             if op == _OP_JOIN:
-                return self._join(value)
+                status, payload = self._join(value)
+                if status == _ST_OK:
+                    self._conn_member[cid] = json.loads(value.decode())
+                return status, payload
+            if (op in (_OP_SET, _OP_ADD, _OP_GET) and self._members
+                    and cid not in self._conn_member):
+                # once ranks have joined, the store is theirs: a connection that did not join
+                # (a stranger who computed a derived token) may neither read nor write it
+                return _ST_REFUSED, (f"this rendezvous store serves the members of "
+                                     f"{_describe_job(*self._job)}; a connection that has not "
+                                     f"joined it may not read or write keys").encode()
             if op == _OP_WAIT_WORLD:
-                timeout = struct.unpack("!d", value)[0]
+                timeout = _wait_seconds(value)
                 self._cond.wait_for(lambda: self._complete or self._closed
                                     or self._poisoned is not None, timeout)
                 if self._poisoned is not None:
-                    return _ST_ERROR, self._poisoned.encode()
+                    return _ST_POISONED, self._poisoned.encode()
                 if self._closed:
                     return _ST_ERROR, b"store is shutting down"
                 members = {str(r): m for r, m in sorted(self._members.items())}
                 return (_ST_OK if self._complete else _ST_TIMEOUT), json.dumps(members).encode()
             if op == _OP_SET:
+                first = self._writer.setdefault(key, cid)
+                if first != cid and self._data.get(key, value) != value:
+                    return self._conflict(key, first, cid)
                 self._data[key] = value
                 self._cond.notify_all()
                 return _ST_OK, b""
@@ -251,23 +500,44 @@ class StoreServer:
                 self._cond.notify_all()
                 return _ST_OK, self._data[key]
             if op == _OP_GET:
-                timeout = struct.unpack("!d", value)[0]
+                timeout = _wait_seconds(value)
                 found = self._cond.wait_for(lambda: key in self._data or self._closed
                                             or self._poisoned is not None, timeout)
                 if self._poisoned is not None:
-                    return _ST_ERROR, self._poisoned.encode()
+                    return _ST_POISONED, self._poisoned.encode()
                 if self._closed:
                     return _ST_ERROR, b"store is shutting down"
                 return (_ST_OK, self._data[key]) if found else (_ST_TIMEOUT, b"")
         return _ST_ERROR, f"unknown store op {op}".encode()
 
+    def _conflict(self, key: str, first: int, second: int) -> Tuple[int, bytes]:
+        """Two connections wrote different values to one key (called with the lock held): one of
+        them is not who it claims, or two look-alike jobs share the store. Stop every member now
+        rather than let one of them use the wrong value (and hang or misroute)."""
+        def who(cid):
+            rec = self._conn_member.get(cid)
+            return (f"rank {rec.get('rank')} ({_describe_member(rec)})" if rec else
+                    "a connection that never joined")
+        self._poisoned = (f"conflicting writes to rendezvous key {key!r}: first by {who(first)}, "
+                          f"then a different value by {who(second)}. A process outside this job "
+                          f"knows its token (a derived token under a foreign launcher can be "
+                          f"computed by anyone who knows the job's environment), or two jobs "
+                          f"share this store's port; every member of this rendezvous is stopped")
+        log.warning("rendezvous store :%s: %s", self.port, self._poisoned)
+        self._cond.notify_all()
+        return _ST_POISONED, self._poisoned.encode()
+
     def _join(self, value: bytes) -> Tuple[int, bytes]:
         """A rank joins (called with the lock held). See the module header for the rules."""
         try:
+            if len(value) > _MAX_JOIN:
+                raise ValueError("join record too long")
             rec = json.loads(value.decode())
+            if not isinstance(rec, dict):
+                raise TypeError("join record is not an object")
             job, size, rank = str(rec["job"]), int(rec["size"]), int(rec["rank"])
             member = str(rec["member"])
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
             return _ST_REFUSED, b"malformed join record"
         if self._job is None:
             self._job = (job, size)
@@ -293,7 +563,7 @@ class StoreServer:
                                  "newcomer is refused").encode()
         self._poisoned = clash + "; every member of this rendezvous is stopped"
         self._cond.notify_all()
-        return _ST_ERROR, self._poisoned.encode()
+        return _ST_POISONED, self._poisoned.encode()
 
     def close(self) -> None:
         with self._cond:
@@ -322,6 +592,17 @@ class StoreServer:
         self.close()
 
 
+def _wait_seconds(value: bytes) -> float:
+    """A get / wait_world timeout from the wire: 8 bytes, a finite number of seconds >= 0
+    (StoreProtocolError otherwise; at most a day)."""
+    if len(value) != 8:
+        raise StoreProtocolError(f"a wait needs an 8-byte timeout, got {len(value)} bytes")
+    t = struct.unpack("!d", value)[0]
+    if not (t >= 0.0 and t < float("inf")):
+        raise StoreProtocolError(f"wait timeout {t!r} is not a finite number of seconds >= 0")
+    return min(t, 86400.0)
+
+
 def _describe_job(identity: str, size: int) -> str:
     return f"job {identity!r} of {size} ranks" if identity else f"a job of {size} ranks"
 
@@ -331,15 +612,16 @@ def _describe_member(rec: dict) -> str:
 
 
 def _recv_or_eof(conn: socket.socket, n: int) -> Optional[bytes]:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
+    """Exactly ``n`` bytes, or None at EOF. Memory grows with the bytes that actually arrive
+    (a header claiming a huge value costs nothing until the value is sent)."""
+    parts, got = [], 0
     while got < n:
-        k = conn.recv_into(view[got:])
-        if k == 0:
+        chunk = conn.recv(min(n - got, _READ_CHUNK))
+        if not chunk:
             return None
-        got += k
-    return bytes(buf)
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
 
 
 def _family(host: str) -> int:
@@ -383,6 +665,8 @@ class StoreClient:
             try:
                 _send_all(self._sock, _REQ.pack(op, len(k), len(value)) + k + value, deadline, what)
                 status, n = _RESP.unpack(_recv_exact(self._sock, _RESP.size, deadline, what))
+                if n > _MAX_VALUE + _MAX_JOIN * 64:
+                    raise StoreProtocolError(f"{what}: the store announced a {n}-byte reply")
                 payload = _recv_exact(self._sock, n, deadline, what) if n else b""
             except (OSError, CommError) as e:
                 # The stream may be mid-reply: never reuse it (a late answer would be taken for
@@ -392,6 +676,8 @@ class StoreClient:
                 if isinstance(e, CommError):
                     raise
                 raise PeerFailure(f"{what}: connection lost: {e}") from None
+        if status == _ST_POISONED:
+            raise RendezvousError(f"{what}: {payload.decode(errors='replace')}")
         if status == _ST_ERROR:
             text = payload.decode(errors="replace")
             if op == _OP_JOIN or text.startswith("two processes claim"):
@@ -502,70 +788,87 @@ def _connect_with_retry(addr, deadline: float, what: str) -> socket.socket:
 _RANK = struct.Struct("!q")
 
 
+_RETRY_ERRORS = (BlockingIOError, ConnectionRefusedError, FileNotFoundError, InterruptedError)
+
+
 def dial_peer(family: int, address, token: bytes, my_rank: int, peer: int,
               deadline: float) -> socket.socket:
-    """Connect to ``peer``'s listener, authenticate, exchange ranks; returns a blocking socket."""
+    """Connect to ``peer``'s listener, authenticate, exchange ranks; returns a blocking socket.
+
+    A full listen queue (EAGAIN on AF_UNIX), a refused connection, or a listener that dropped
+    us before the handshake completed (a stray flood evicts pending handshakes) is retried with
+    exponential backoff (5 ms .. 200 ms: there is no kernel object to wait on for "the peer's
+    queue has room") until ``deadline``; then CommTimeout naming the last reason. On AF_UNIX
+    the listener must belong to this user (SO_PEERCRED)."""
     what = f"rank {my_rank}: connecting to rank {peer}"
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise CommTimeout(f"{what}: timed out")
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(left)
+    delay, last = 0.005, None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CommTimeout(f"{what}: timed out" + (f" (last attempt: {last})" if last else ""))
+        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            sock.connect(address)
-        except socket.timeout:
-            raise CommTimeout(f"{what}: connect timed out") from None
-        except OSError as e:
-            raise PeerFailure(f"{what} at {address!r}: {e}") from None
+            retry = _dial_once(sock, family, address, token, my_rank, peer, deadline, what)
+        except BaseException:
+            sock.close()
+            raise
+        if not isinstance(retry, str):
+            return sock
+        sock.close()
+        last = retry
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, 0.2)
+
+
+def _dial_once(sock, family, address, token, my_rank, peer, deadline, what):
+    """One attempt: None when connected and authenticated, else the reason to retry (str)."""
+    sock.settimeout(max(0.001, deadline - time.monotonic()))
+    try:
+        sock.connect(address)
+    except socket.timeout:
+        raise CommTimeout(f"{what}: connect timed out") from None
+    except _RETRY_ERRORS as e:
+        return f"{type(e).__name__}: {e}"
+    except OSError as e:
+        raise PeerFailure(f"{what} at {address!r}: {e}") from None
+    uid = peer_uid(sock)
+    if uid is not None and uid != os.geteuid():
+        raise AuthError(f"{what}: the local socket {address!r} belongs to uid {uid}, not to "
+                        f"this job's user ({os.geteuid()})")
+    try:
         authenticate_client(sock, token, max(0.0, min(HANDSHAKE_TIMEOUT,
                                                        deadline - time.monotonic())))
+    except AuthError as e:
+        if getattr(e, "closed", False):
+            return f"AuthError: {e}"
+        raise
+    except (PeerFailure, ConnectionResetError, BrokenPipeError) as e:
+        return f"{type(e).__name__}: {e}"     # dropped before the handshake completed
+    try:
         _send_all(sock, _RANK.pack(my_rank), deadline, what)
         (theirs,) = _RANK.unpack(_recv_exact(sock, _RANK.size, deadline, what))
-        if theirs != peer:
-            raise CommError(f"{what}: the listener at {address!r} is rank {theirs}")
-        sock.settimeout(None)
-        return sock
-    except BaseException:
-        sock.close()
-        raise
+    except (PeerFailure, ConnectionResetError, BrokenPipeError) as e:
+        return f"{type(e).__name__}: {e}"
+    if theirs != peer:
+        raise CommError(f"{what}: the listener at {address!r} is rank {theirs}")
+    sock.settimeout(None)
+    return None
 
 
 def accept_peers(listener: socket.socket, token: bytes, my_rank: int, expected: Iterable[int],
                  deadline: float) -> Dict[int, socket.socket]:
     """Accept one authenticated connection from each rank in ``expected``; refuse everything else.
 
-    Each incoming connection is authenticated on its own thread, so a slow or silent stray cannot
-    hold up the real peers; refused connections are closed without reading anything more."""
+    Handshakes run non-blocking in this call's select loop (``_Gate``: bounded, no threads), so
+    a slow, silent or flooding stray cannot hold up the real peers; refused connections are
+    closed without reading anything more. Returns blocking sockets."""
     expected = set(expected)
     got: Dict[int, socket.socket] = {}
     if not expected:
         return got
-    results: "queue.Queue[Tuple[int, socket.socket]]" = queue.Queue()
-    wake_r, wake_w = socket.socketpair()
     sel = selectors.DefaultSelector()
-    listener.setblocking(False)
-    sel.register(listener, selectors.EVENT_READ)
-    sel.register(wake_r, selectors.EVENT_READ)
-
-    def handshake(conn: socket.socket) -> None:
-        try:
-            conn.setblocking(True)
-            authenticate_server(conn, token, max(0.1, min(HANDSHAKE_TIMEOUT,
-                                                          deadline - time.monotonic())))
-            hs_deadline = time.monotonic() + HANDSHAKE_TIMEOUT
-            (rank,) = _RANK.unpack(_recv_exact(conn, _RANK.size, hs_deadline, "peer rank"))
-            _send_all(conn, _RANK.pack(my_rank), hs_deadline, "peer rank")
-            conn.settimeout(None)
-        except (CommError, OSError):
-            conn.close()
-            return
-        results.put((rank, conn))
-        try:
-            wake_w.send(b"x")
-        except OSError:               # accept_peers already returned: it no longer listens
-            pass
-
+    gate = _Gate(listener, token, sel, f"rank {my_rank}'s peer listener", my_rank=my_rank,
+                 deadline=deadline)
     try:
         while len(got) < len(expected):
             left = deadline - time.monotonic()
@@ -573,36 +876,26 @@ def accept_peers(listener: socket.socket, token: bytes, my_rank: int, expected: 
                 missing = sorted(expected - set(got))
                 raise CommTimeout(f"rank {my_rank}: ranks {missing} did not connect before the "
                                   f"deadline (setup)")
-            for key, _ in sel.select(left):
-                if key.fileobj is listener:
-                    try:
-                        conn, _ = listener.accept()
-                    except BlockingIOError:
-                        continue
-                    threading.Thread(target=handshake, args=(conn,), daemon=True,
-                                     name=f"minicomm-handshake-r{my_rank}").start()
-                else:
-                    wake_r.recv(4096)
-            while True:
-                try:
-                    rank, conn = results.get_nowait()
-                except queue.Empty:
-                    break
-                if rank in expected and rank not in got:
-                    got[rank] = conn
+            nxt = gate.expire()
+            for key, _ in sel.select(left if nxt is None else min(left, nxt)):
+                if key.data is gate:
+                    gate.on_listener()
+                    continue
+                hs = gate.on_ready(key.data)
+                if hs is None:
+                    continue
+                if hs.rank in expected and hs.rank not in got:
+                    hs.sock.setblocking(True)
+                    got[hs.rank] = hs.sock
                 else:                 # authenticated but unexpected (duplicate): not ours to use
-                    conn.close()
+                    log.info("rank %s: closing an authenticated link claiming rank %s (not "
+                             "expected here)", my_rank, hs.rank)
+                    hs.sock.close()
     except BaseException:
         for s in got.values():
             s.close()
         raise
     finally:
+        gate.close()
         sel.close()
-        wake_r.close()
-        wake_w.close()
-        while True:                   # authenticated after we stopped looking: not ours
-            try:
-                results.get_nowait()[1].close()
-            except queue.Empty:
-                break
     return got

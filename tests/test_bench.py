@@ -251,3 +251,17 @@ def test_peer_gloo_side_by_side():
     assert _all_wrong(rows) == 0
     a2a = rows[3]
     assert a2a["ratio"] > 0 and a2a["ip_time_us"] is None       # gloo has no in-place alltoall
+
+
+def test_registered_buffers_over_shm_check_clean(tmp_path):
+    """--registered: every collective on buffers from comm.empty (256 KiB: above the size that
+    travels straight from registered memory), results checked element by element."""
+    j = tmp_path / "reg.json"
+    p = _cli("bench", "all", "--sizes", "8,256K", "-n", "3", "--transport", "shm",
+             "--registered", "--iters", "2", "--warmup", "2", "--batches", "1", "--json", str(j))
+    assert p.returncode == 0, p.stdout + p.stderr
+    data = json.loads(j.read_text())
+    assert data["meta"]["registered"] is True
+    rows = data["rows"]
+    assert {r["collective"] for r in rows} == set(COLLECTIVES)
+    assert _all_wrong(rows) == 0 and all(r["wrong"] == 0 for r in rows)

@@ -274,7 +274,7 @@ class _ReadyStore:
         pass
 
     def get(self, key, timeout=None):
-        return b"ready"
+        return b"ready 0123456789abcdef"
 
 
 def test_a_peer_that_left_during_shm_setup_is_a_peerfailure_not_a_filenotfounderror():

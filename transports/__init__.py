@@ -187,3 +187,17 @@ def rma_backend(transport):
         from .shmrma import ShmRma
         return ShmRma(transport)
     return None
+
+
+def registered_memory(transport):
+    """The transport that hands out registered memory for ``transport`` (shm's
+    ``register_memory`` / ``free_memory`` / ``is_registered``: the peers on the node map it),
+    or None: on tcp, inproc and the one-sided transports registered arrays are plain arrays."""
+    from .shm import ShmTransport
+    if isinstance(transport, ShmTransport):
+        return transport
+    if isinstance(transport, RoutedTransport):
+        shm = transport._transports.get("shm")
+        if isinstance(shm, ShmTransport):
+            return shm
+    return None

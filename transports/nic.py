@@ -37,6 +37,7 @@ spin below (sleep cannot wait a microsecond) -- so code can feel a modelled link
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import time
 from collections import deque
@@ -287,15 +288,19 @@ class Device:
                     raise CommTimeout(f"rank {rank}: {kind} setup timed out waiting for rank {p}")
                 self._attach(p, store.get(f"{kind}/arena/{p}", timeout=left).decode())
             if self.local_peers:
+                # random part in the name (nobody binds it first); a queue strays cannot fill
+                nonce = secrets.token_hex(8)
                 listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                listener.bind(self._sock_name(rank))
-                listener.listen(len(self.local_peers))
-                store.set(f"{kind}/bell/{rank}", b"1")
+                listener.bind(self._sock_name(rank, nonce))
+                listener.listen(socket.SOMAXCONN)
+                store.set(f"{kind}/bell/{rank}", nonce.encode())
                 for p in self.local_peers:
                     if p < rank:
-                        store.get(f"{kind}/bell/{p}", timeout=max(0.0, deadline - time.monotonic()))
-                        self._socks[p] = dial_peer(socket.AF_UNIX, self._sock_name(p), token,
-                                                   rank, p, deadline)
+                        theirs = store.get(f"{kind}/bell/{p}",
+                                           timeout=max(0.0, deadline - time.monotonic()))
+                        name = self._sock_name(p, theirs.decode(errors="replace"))
+                        self._socks[p] = dial_peer(socket.AF_UNIX, name, token, rank, p,
+                                                   deadline)
                 self._socks.update(accept_peers(listener, token, rank,
                                                 [p for p in self.local_peers if p > rank],
                                                 deadline))
@@ -322,8 +327,8 @@ class Device:
             self.agent.start()
 
     # ------------------------------------------------------------------------- setup
-    def _sock_name(self, rank: int) -> str:
-        return f"\0minicomm-{self.job_id}-{self.kind}-{rank}"
+    def _sock_name(self, rank: int, nonce: str) -> str:
+        return f"\0minicomm-{self.job_id}-{self.kind}-{rank}-{nonce}"
 
     def _make_arena(self) -> None:
         n_rings = len(self.local_peers)

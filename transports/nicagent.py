@@ -116,7 +116,7 @@ class NicAgent:
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         socks: Dict[int, socket.socket] = {}
         with socket.create_server((bind_host, 0), family=family,
-                                  backlog=len(peers) + 8) as listener:
+                                  backlog=socket.SOMAXCONN) as listener:   # strays may queue
             port = listener.getsockname()[1]
             host = bind_host if bind_host not in ("", "0.0.0.0", "::") else store.local_address()
             store.set(f"{self.kind}/agent/{me}", f"{host}|{port}".encode())

@@ -92,6 +92,9 @@ class Req(Request):
         self.hdr = None                            # engine-specific (tcp: the framed header)
 
 
+_SCRATCH = np.empty(1, dtype=np.uint8)
+
+
 class Unexpected:
     """A message that arrived before its receive was posted and had to be moved out of the way
     (it blocked a message for another communicator). ``claim`` is the receive that matched it
@@ -101,7 +104,13 @@ class Unexpected:
 
     def __init__(self, tag: Tag, nbytes: int, dropped: bool = False):
         self.tag, self.nbytes = tag, nbytes
-        self.u8 = np.empty(nbytes, dtype=np.uint8)
+        if dropped:
+            # thrown away: one scratch byte seen nbytes times (zero stride), so a huge message
+            # for a poisoned or cancelled communicator costs no memory (not contiguous: engines
+            # fill it through staging, never recv_into it)
+            self.u8 = np.lib.stride_tricks.as_strided(_SCRATCH, shape=(nbytes,), strides=(0,))
+        else:
+            self.u8 = np.empty(nbytes, dtype=np.uint8)
         self.buf = self.u8
         self.off = 0
         self.reduce = None

@@ -62,6 +62,18 @@ def _unlink_at_exit() -> None:
         unlink(path)
 
 
+def check_owner(fd: int, path: str) -> None:
+    """Refuse a segment this user did not create: names under /dev/shm can be guessed, so a file
+    another user made there first (or one anybody may write) is never mapped."""
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        raise CommError(f"shm: {path} is owned by uid {st.st_uid}, not by this job's user "
+                        f"({os.geteuid()}); refusing to map it")
+    if st.st_mode & 0o077:
+        raise CommError(f"shm: {path} has permissions {st.st_mode & 0o777:o}, not owner-only "
+                        f"(0600); refusing to map it")
+
+
 def round_up(n: int, to: int = PAGE) -> int:
     return -(-n // to) * to
 
@@ -94,8 +106,9 @@ class Arena:
 
     @classmethod
     def attach(cls, path: str) -> "Arena":
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
+            check_owner(fd, path)
             mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)

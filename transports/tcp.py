@@ -2,9 +2,11 @@
 
 Setup. Each rank listens on an ephemeral port of ``bind_host`` and publishes ``addr/<rank>`` in the
 store; the higher rank of a pair dials the lower one. Every connection is authenticated with the
-job token (rendezvous.py) before a single frame is read, then both sides swap ranks; a stray
-connection is refused on its own thread while setup goes on. The listener closes once every peer
-is connected, so later strays are refused by the kernel.
+job token (rendezvous.py) before a single frame is read, then both sides swap ranks; strays are
+refused by the listener's bounded select loop while setup goes on (no thread each; the listen
+queue is the kernel's maximum). The listener binds the interface this rank reaches the store
+through (launch/world.py) and closes once every peer is connected, so later strays are refused
+by the kernel.
 
 Wire. A message is a 48-byte little-endian frame (the Tag's five int64 and the payload length)
 followed by the payload. Dtype and shape are not sent: the receiver posted the buffer, and the
@@ -48,6 +50,7 @@ FRAME = _FRAME.size
 RX_BYTES = 256 << 10                  # staging / bounce buffer per connection (fits in L2)
 DIRECT = 64 << 10                     # plain receives at least this large bypass staging
 ABORT_COMM = -1
+MAX_PAYLOAD = 1 << 48                 # a frame announcing more is malformed (PeerFailure)
 BYE_COMM = -2                         # an orderly close (then FIN)
 _MAX_IOV = 128
 _SEND_FLAGS = socket.MSG_NOSIGNAL
@@ -103,7 +106,7 @@ class TcpTransport(LinkEngine):
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         socks: Dict[int, socket.socket] = {}
         with socket.create_server((bind_host, 0), family=family,
-                                  backlog=len(self.peer_ranks) + 8) as listener:
+                                  backlog=socket.SOMAXCONN) as listener:   # strays may queue
             port = listener.getsockname()[1]
             host = bind_host if bind_host not in ("", "0.0.0.0", "::") else store.local_address()
             store.set(f"addr/{me}", (f"[{host}]:{port}" if ":" in host else
@@ -230,6 +233,10 @@ class TcpTransport(LinkEngine):
                         break
                     continue
                 comm, seq, step, call, count, total = _FRAME.unpack_from(c.rx, c.lo)
+                if not 0 <= total <= MAX_PAYLOAD:
+                    # an authenticated peer that breaks the framing: its link is unusable
+                    c.closed = c.closed or f"it sent a malformed frame (payload length {total})"
+                    break
                 if comm == ABORT_COMM:
                     reason = bytes(c.rx[c.lo + FRAME:min(c.hi, c.lo + FRAME + total)])
                     c.closed = "it aborted: " + reason.decode(errors="replace")
@@ -265,7 +272,8 @@ class TcpTransport(LinkEngine):
             if not c.readable:
                 break
             need = c.rx_total - target.off
-            if target.reduce is None and c.lo == c.hi and need >= DIRECT:
+            if (target.reduce is None and c.lo == c.hi and need >= DIRECT
+                    and target.u8.flags.c_contiguous):    # not a dropped message's scratch
                 n = self._recv(c, target.u8[target.off:])   # straight into the destination
                 if n <= 0:
                     break

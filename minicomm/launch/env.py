@@ -47,6 +47,15 @@ secret — any process that can read the job's environment can compute it; it ke
 keeps no attacker out. ``MINICOMM_JOB_TOKEN`` (hex) sets a real one; the PMI and torchrun paths
 make a random one and hand it over through the launcher's own channel.
 
+Where the store listens (``store_bind``). Only where the ranks will come from, never every
+interface by default: loopback when the address the ranks use is loopback or every rank is on
+this host; otherwise the one interface that address names (MASTER_ADDR, or the address rank 0
+publishes through PMI / MPI), which must then be an address of this host (BootstrapError naming
+the variable otherwise). ``MINICOMM_BIND`` forces an address (``0.0.0.0``: every interface). A host name that resolves
+to loopback here (Debian's ``127.0.1.1``) means loopback, unless the launcher says the ranks span
+hosts: then this host's address on its default route.
+Ranks on rank 0's host reach a store bound to one interface through that address, not loopback.
+
 Setup timeout. Under a foreign launcher, rendezvous (reaching rank 0's store, every rank
 arriving, connecting the transports) must finish within ``MINICOMM_SETUP_TIMEOUT`` seconds
 (default 30, or ``init(setup_timeout=)``); the error says how many ranks arrived and which
@@ -101,7 +110,8 @@ class Launch:
     port: Optional[int] = None
     port_from: str = ""
     host_store: bool = False      # this process hosts the rendezvous store
-    bind: str = "0.0.0.0"         # where the store listens when we host it
+    bind: str = ""                # where the store listens when we host it ("": store_bind)
+    spans_hosts: bool = False     # the launcher says ranks run on more than one host
     token: Optional[bytes] = None  # a real token (MINICOMM_JOB_TOKEN, or random at bootstrap)
     job_id: Optional[str] = None
     bootstrap: str = "store"      # store (address known) | pmi | torch (agent store)
@@ -343,8 +353,10 @@ def _detect_torchrun(env) -> Optional[Launch]:
     if one_host:
         launch.addr, launch.addr_from = "127.0.0.1", "one torchrun agent (loopback)"
         launch.bind = "127.0.0.1"
-    elif group == 0:
-        launch.addr_from += " (rank 0's agent host; this agent's ranks use loopback)"
+    else:
+        launch.spans_hosts = bool(groups and groups > 1)
+        if group == 0:
+            launch.addr_from += " (rank 0's agent host)"
     forced, forced_from = _int(env, "MINICOMM_MASTER_PORT")
     if forced is not None:        # the user's own port: no agent store (no torch import)
         launch.port, launch.port_from, launch.host_store = forced, forced_from, rank == 0
@@ -377,6 +389,8 @@ def _detect_pmi(env) -> Optional[Launch]:
                     port_from="a free port rank 0 published in the PMI KVS")
     if local == size:
         launch.bind = "127.0.0.1"
+    elif local is not None:
+        launch.spans_hosts = True
     launch.pmi = {"fd": int(fd) if _fd_open(fd) else None, "port": port,
                   "id": env.get("PMI_ID")}
     return launch
@@ -404,6 +418,7 @@ def _detect_openmpi(env) -> Optional[Launch]:
     launch.port, launch.port_from = port, port_from
     nodes, _ = _int(env, "OMPI_MCA_orte_num_nodes")
     local, _ = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+    launch.spans_hosts = bool((nodes and nodes > 1) or (local is not None and local < size))
     forced = env.get("MINICOMM_MASTER_ADDR") or env.get("MASTER_ADDR")
     if forced:
         launch.addr = forced
@@ -430,9 +445,9 @@ def _hnp_address(uri: str) -> Optional[str]:
     return m.group(1) if m else None
 
 
-def _is_local_address(addr: str) -> bool:
+def _is_local_address(addr: str, family: int = socket.AF_INET) -> bool:
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.bind((addr, 0))
         return True
     except OSError:
@@ -440,6 +455,8 @@ def _is_local_address(addr: str) -> bool:
 
 
 def _slurm_addr(env, launch: Launch) -> None:
+    nodes, _ = _int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES")
+    launch.spans_hosts = bool(nodes and nodes > 1)
     forced = env.get("MINICOMM_MASTER_ADDR") or env.get("MASTER_ADDR")
     if forced:
         launch.addr = forced
@@ -457,7 +474,6 @@ def _slurm_addr(env, launch: Launch) -> None:
     else:
         raise BootstrapError("mc.init(): srun gave no node list (SLURM_STEP_NODELIST); set "
                              "MASTER_ADDR")
-    nodes, _ = _int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES")
     if nodes == 1:                # one node: everyone reaches rank 0 on loopback
         launch.addr_from += " (one node: loopback)"
         launch.addr, launch.bind = "127.0.0.1", "127.0.0.1"
@@ -548,6 +564,78 @@ def _job_id(launch: Launch, token: bytes) -> str:
     return f"{launch.kind}-{digest}"
 
 
+def _resolve(addr: str) -> Optional[str]:
+    """``addr`` (a name or a literal) as one IP literal, IPv4 preferred; None if unresolvable."""
+    for family in (socket.AF_INET, socket.AF_UNSPEC):
+        try:
+            return socket.getaddrinfo(addr, None, family, socket.SOCK_STREAM)[0][4][0]
+        except (OSError, IndexError):
+            continue
+    return None
+
+
+def store_bind(launch: Launch) -> str:
+    """The address the store listens on when this rank hosts it (see the module header):
+    ``MINICOMM_BIND`` if set; loopback when ``detect`` found every rank on this host or the
+    store's address is loopback; else that address's own interface. Never the wildcard unless
+    forced. BootstrapError when the address is not one of this host's."""
+    forced = launch.env.get("MINICOMM_BIND")
+    if forced:
+        return forced
+    if launch.bind:
+        return launch.bind            # decided by detect (every rank on this host: loopback)
+    addr, addr_from = launch.addr, launch.addr_from or "the store address"
+    if addr is None:                  # PMI / MPI: rank 0 publishes an address of its own
+        addr = launch.env.get("MINICOMM_MASTER_ADDR") or _my_address()
+        addr_from = ("MINICOMM_MASTER_ADDR" if launch.env.get("MINICOMM_MASTER_ADDR") else
+                     "this host's name")
+    ip = _resolve(addr)
+    if ip is not None:
+        import ipaddress
+        if ipaddress.ip_address(ip.split("%")[0]).is_loopback:
+            if not launch.spans_hosts or addr == "localhost" or _is_literal(addr):
+                return ip
+            # a host name that resolves to loopback here (Debian's 127.0.1.1) while the ranks
+            # span hosts: the others reach this host on its outbound interface
+            out = _outbound_address()
+            if out is not None:
+                return out
+        if _is_local_address(ip, socket.AF_INET6 if ":" in ip else socket.AF_INET):
+            return ip
+    raise BootstrapError(
+        f"mc.init(): rank {launch.rank} hosts the rendezvous store, but {addr_from} gives "
+        f"{addr!r}" + (f" ({ip})" if ip and ip != addr else "") + ", which is not an address "
+        "of this host: set MASTER_ADDR to this host's address as the other ranks reach it, or "
+        "MINICOMM_BIND to the local address to listen on (0.0.0.0 listens on every interface)")
+
+
+def _is_literal(addr: str) -> bool:
+    import ipaddress
+    try:
+        ipaddress.ip_address(addr.split("%")[0])
+        return True
+    except ValueError:
+        return False
+
+
+def _outbound_address() -> Optional[str]:
+    """This host's address on its default route (a UDP connect sends nothing), else None."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))
+            addr = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if addr.startswith("127.") or addr == "0.0.0.0" else addr
+
+
+def _publish_host(launch: Launch) -> str:
+    """The host name rank 0 publishes with its store address: ranks on that host then use
+    loopback. Empty when the store listens on one interface only (loopback would not reach
+    it): then every rank uses the published address."""
+    return socket.gethostname() if launch.bind in ("0.0.0.0", "::") else ""
+
+
 def _my_address() -> str:
     """An address of this host that other hosts can use (its name's, unless that is loopback)."""
     name = socket.gethostname()
@@ -574,16 +662,16 @@ def _bootstrap_pmi(launch: Launch, timeout: float) -> StoreServer:
         if launch.rank == 0:
             token = launch.token or new_token()
             server = StoreServer(launch.bind, 0, token, job=(launch.identity, launch.size))
-            addr = "127.0.0.1" if launch.bind == "127.0.0.1" else (
+            addr = launch.bind if launch.bind not in ("0.0.0.0", "::") else (
                 launch.env.get("MINICOMM_MASTER_ADDR") or _my_address())
-            client.put("minicomm-store", f"{addr}:{server.port}:{socket.gethostname()}")
+            client.put("minicomm-store", f"{addr}:{server.port}:{_publish_host(launch)}")
             if launch.token is None:
                 client.put("minicomm-token", token.hex())
             launch.token, launch.addr, launch.port = token, addr, server.port
         client.barrier()
         if launch.rank != 0:
             addr, port, host = client.get("minicomm-store").rsplit(":", 2)
-            launch.addr = "127.0.0.1" if host == socket.gethostname() else addr
+            launch.addr = "127.0.0.1" if host and host == socket.gethostname() else addr
             launch.port = int(port)
             if launch.token is None:
                 launch.token = bytes.fromhex(client.get("minicomm-token"))
@@ -625,9 +713,9 @@ def _bootstrap_mpi(launch: Launch, mpi, timeout: float) -> Optional[StoreServer]
         launch.identity = f"mpi:{secrets.token_hex(8)}" + (
             f"/{launch.identity}" if launch.identity else "")
         server = StoreServer(launch.bind, 0, token, job=(launch.identity, launch.size))
-        addr = "127.0.0.1" if launch.bind == "127.0.0.1" else (
+        addr = launch.bind if launch.bind not in ("0.0.0.0", "::") else (
             launch.env.get("MINICOMM_MASTER_ADDR") or _my_address())
-        msg = json.dumps([addr, server.port, socket.gethostname(), token.hex(),
+        msg = json.dumps([addr, server.port, _publish_host(launch), token.hex(),
                           launch.identity]).encode()
         buf[:len(msg)] = np.frombuffer(msg, dtype=np.uint8)
     req = world.Ibcast(buf, root=0)
@@ -643,7 +731,7 @@ def _bootstrap_mpi(launch: Launch, mpi, timeout: float) -> Optional[StoreServer]
         delay = min(delay * 2, 0.05)
     addr, port, host, token_hex, identity = json.loads(bytes(buf).rstrip(b"\0").decode())
     launch.identity, launch.identity_from = identity, "rank 0 (MPI_COMM_WORLD broadcast)"
-    launch.addr = "127.0.0.1" if host == socket.gethostname() else addr
+    launch.addr = "127.0.0.1" if host and host == socket.gethostname() else addr
     launch.port, launch.token = int(port), launch.token or bytes.fromhex(token_hex)
     launch.addr_from = launch.port_from = "rank 0, broadcast on MPI_COMM_WORLD"
     return server
@@ -685,7 +773,8 @@ def _bootstrap_torch(launch: Launch, timeout: float) -> Optional[StoreServer]:
             launch.port = int(port_s)
             if launch.token is None:
                 launch.token = bytes.fromhex(token_hex)
-        if launch.same_host_as_rank0:
+        if launch.same_host_as_rank0 and (launch.bind.startswith("127.") or
+                                          launch.env.get("MINICOMM_BIND") in ("0.0.0.0", "::")):
             launch.addr, launch.addr_from = "127.0.0.1", "rank 0's host (loopback)"
     except BaseException:
         if server is not None:
@@ -731,6 +820,8 @@ def init(transport: Optional[str] = None, timeout: Optional[float] = None,
     setup = setup_timeout_for(launch, timeout, setup_timeout, env)
     server = None
     try:
+        if launch.host_store or (launch.rank == 0 and launch.bootstrap in ("pmi", "torch")):
+            launch.bind = store_bind(launch)
         if launch.bootstrap == "pmi":
             mpi = _mpi_in_use()
             server = _bootstrap_mpi(launch, mpi, setup) if mpi else _bootstrap_pmi(launch, setup)

@@ -126,8 +126,7 @@ def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
     try:
         t = connect(kind, rank, size, store, cfg["job_id"], token, tuple(topology),
                     _left(deadline),
-                    bind_host=bind or ("127.0.0.1" if addr in ("127.0.0.1", "localhost")
-                                       else "0.0.0.0"), host_of_rank=tuple(hosts))
+                    bind_host=bind or _peer_bind(addr, store), host_of_rank=tuple(hosts))
     except BaseException:
         store.close()
         if server is not None:
@@ -155,6 +154,17 @@ def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
     return comm
 
 
+def _peer_bind(store_addr: str, store: Any) -> str:
+    """Where this rank's tcp listeners bind: loopback for a loopback job, else the interface
+    this host reaches the store through (the address it advertises), never every interface."""
+    if store_addr in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1" if store_addr != "::1" else "::1"
+    try:
+        return store.local_address()
+    except (AttributeError, OSError, NotImplementedError):
+        return "0.0.0.0"
+
+
 def _left(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
@@ -172,7 +182,8 @@ def _host_store(cfg: Dict[str, Any], token: bytes, identity: str,
     port = cfg["master_port"]
     for _ in range(20):
         try:
-            return StoreServer(cfg.get("store_bind") or "0.0.0.0", port, token,
+            # only where the ranks come from: the store's own address, never every interface
+            return StoreServer(cfg.get("store_bind") or _store_host(cfg), port, token,
                                job=(identity, cfg["size"]))
         except OSError as e:
             if e.errno != errno.EADDRINUSE:
@@ -198,6 +209,11 @@ def _host_store(cfg: Dict[str, Any], token: bytes, identity: str,
     raise RendezvousError(
         f"rank {cfg['rank']}: {_port_hint(cfg)} is already in use {holder}. Two jobs cannot "
         f"share a rendezvous port: this job stops here; give it its own MASTER_PORT") from None
+
+
+def _store_host(cfg: Dict[str, Any]) -> str:
+    addr = str(cfg.get("master_addr") or "127.0.0.1")
+    return "127.0.0.1" if addr == "localhost" else addr
 
 
 def _listening(host: str, port: int) -> bool:

@@ -199,7 +199,19 @@ def _agree_max(comm, values: Sequence[float]) -> np.ndarray:
 
 
 def _bench_case(comm, cfg: BenchConfig, case: Case, runners, watchdog: Watchdog) -> List[dict]:
-    b = Buffers(case, cfg.op, comm.rank, cfg.root)
+    b = Buffers(case, cfg.op, comm.rank, cfg.root, comm.empty if cfg.registered else np.empty)
+    try:
+        return _bench_buffers(comm, cfg, case, runners, watchdog, b)
+    finally:
+        if cfg.registered:
+            comm.barrier()            # every peer is done reading them
+            for buf in (b.send, b.recv, b.ip):
+                if comm.is_registered(buf):
+                    comm.free(buf)
+
+
+def _bench_buffers(comm, cfg: BenchConfig, case: Case, runners, watchdog: Watchdog,
+                   b: Buffers) -> List[dict]:
     placements = (False,) if case.collective == "barrier" else (False, True)
     nr = len(runners)
     med = np.full((2, nr), np.nan)
@@ -533,6 +545,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, default=5, help="timed batches (median taken)")
     p.add_argument("--batch-time", type=float, default=0.02, help="seconds per batch (auto iters)")
     p.add_argument("--peers", default="", help="comma list: mpi (mpi4py + MPICH), gloo (torch)")
+    p.add_argument("--registered", action="store_true",
+                   help="allocate the buffers with comm.empty (registered memory the node's "
+                        "peers map; every library uses the same buffers), as nccl-tests -R")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds without progress before a rank gives up (default 300)")
     p.add_argument("--csv", help="write the rows as CSV")
@@ -564,7 +579,7 @@ def config_from_args(a) -> BenchConfig:
                        root=a.root, iters=a.iters, warmup=a.warmup, batches=a.batches,
                        batch_time=a.batch_time,
                        peers=[x.strip() for x in a.peers.split(",") if x.strip()],
-                       timeout=a.timeout)
+                       timeout=a.timeout, registered=a.registered)
 
 
 def main_from_cli(a) -> int:

@@ -181,13 +181,14 @@ class Buffers:
     as nccl-tests does: allgather/gather input at block ``rank`` of the output, reduce_scatter /
     scatter output at block ``rank`` of the input."""
 
-    def __init__(self, case: Case, op: str, rank: int, root: int):
+    def __init__(self, case: Case, op: str, rank: int, root: int, alloc=np.empty):
         self.case, self.rank = case, rank
         dt, c = case.dtype, case.count
         coll = case.collective
-        self.send = np.empty(case.in_count, dtype=dt)
-        self.recv = np.empty(case.out_count, dtype=dt)
-        self.ip = np.empty(max(case.in_count, case.out_count), dtype=dt)
+        # alloc: np.empty, or comm.empty for registered buffers (``--registered``)
+        self.send = alloc(case.in_count, dtype=dt)
+        self.recv = alloc(case.out_count, dtype=dt)
+        self.ip = alloc(max(case.in_count, case.out_count), dtype=dt)
         src = root if coll in ("broadcast", "scatter") else rank
         self._send_init = pattern(op, dt, src, 0, case.in_count)
         self._ip_init = np.zeros(self.ip.size, dtype=dt)
@@ -253,6 +254,7 @@ class BenchConfig:
     peers: List[str] = dataclasses.field(default_factory=list)
     timeout: Optional[float] = None
     quiet: bool = False
+    registered: bool = False    # buffers from comm.empty (registered memory), for every library
 
     def validate(self) -> None:
         bad = [c for c in self.collectives if c not in COLLECTIVES]

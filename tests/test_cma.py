@@ -1,0 +1,163 @@
+"""Single-copy large messages over shm (transports/cma.py): the ctypes calls themselves, the
+per-peer probe and its failure reasons, the forced fallback (MINICOMM_CMA=0) to the ring path,
+and the collective matrix over real processes with single copy on and off, against numpy."""
+import errno
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import minicomm as mc
+from collective_check import matrix
+from leaks import job_segments, my_worker_processes, nothing_left_behind  # noqa: F401
+from minicomm.transports import cma
+
+needs_cma = pytest.mark.skipif(cma.disabled() is not None,
+                               reason=f"single copy unavailable: {cma.disabled()}")
+
+
+def _addr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+# ------------------------------------------------------------------------- the calls
+@needs_cma
+def test_read_and_write_move_exact_bytes_of_another_process():
+    # a child that holds a known buffer and waits; we read it and write into it
+    code = ("import numpy as np, sys\n"
+            "a = (np.arange(1 << 20, dtype=np.int64) * 7).astype(np.int64)\n"
+            "b = np.zeros(1000, dtype=np.uint8)\n"
+            "print(a.__array_interface__['data'][0], b.__array_interface__['data'][0], flush=True)\n"
+            "sys.stdin.readline()\n"
+            "print(int(b.sum()), int(b[0]), int(b[999]), flush=True)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        a_addr, b_addr = map(int, child.stdout.readline().split())
+        got = np.empty(1 << 20, dtype=np.int64)
+        cma.read(child.pid, a_addr, got.view(np.uint8))
+        np.testing.assert_array_equal(got, np.arange(1 << 20, dtype=np.int64) * 7)
+        part = np.empty(3, dtype=np.int64)                 # at an offset
+        cma.read(child.pid, a_addr + 8 * 5, part.view(np.uint8))
+        assert part.tolist() == [35, 42, 49]
+        cma.write(child.pid, b_addr, np.full(1000, 3, dtype=np.uint8))
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().split() == ["3000", "3", "3"]
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_dead_process_gives_esrch_and_a_probe_names_the_reason():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()                                       # reaped: the pid is free
+    with pytest.raises(cma.CmaError) as ei:
+        cma.read(child.pid, 4096, np.empty(8, dtype=np.uint8))
+    assert ei.value.errno == errno.ESRCH
+    why = cma.probe(child.pid, 4096, b"x" * 16)
+    assert why is not None and ("ESRCH" in why or cma.ENV in why)
+
+
+@needs_cma
+def test_probe_checks_the_bytes_not_only_the_call():
+    token = np.frombuffer(os.urandom(16), dtype=np.uint8).copy()
+    assert cma.probe(os.getpid(), _addr(token), token.tobytes()) is None
+    why = cma.probe(os.getpid(), _addr(token), bytes(16))
+    assert why is not None and "other bytes" in why
+
+
+def test_env_forces_single_copy_off_and_bad_threshold_is_named(monkeypatch):
+    monkeypatch.setenv(cma.ENV, "0")
+    token = np.zeros(16, dtype=np.uint8)
+    assert cma.disabled() == "MINICOMM_CMA=0"
+    assert cma.probe(os.getpid(), _addr(token), token.tobytes()) == "MINICOMM_CMA=0"
+    monkeypatch.setenv(cma.MIN_ENV, "lots")
+    with pytest.raises(ValueError, match="MINICOMM_CMA_MIN"):
+        cma.min_bytes()
+
+
+# ------------------------------------------------------------------- over the transport
+def _matrix_and_paths(comm):
+    t = comm.transport
+    n = 0
+    for algo in ("ring", "tree", "rhd", "auto"):
+        # 20001 elements: every message is above the eager size (16 KiB) and MINICOMM_CMA_MIN
+        n += matrix(comm, algo, counts=(20001,), dtypes=("int32", "float64"),
+                    all_roots=comm.size <= 2, every_op=False)
+    return n, t.single_copy_peers(), t.describe_copies()
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("mode", ["single-copy", "forced-off"])
+def test_matrix_over_shm_with_and_without_single_copy(p, mode, monkeypatch):
+    monkeypatch.setenv(cma.MIN_ENV, "4096")
+    if mode == "forced-off":
+        monkeypatch.setenv(cma.ENV, "0")
+    elif cma.disabled() is not None:
+        pytest.skip(f"single copy unavailable: {cma.disabled()}")
+    res = mc.spawn(_matrix_and_paths, p, transport="shm", timeout=180)
+    for r, (n, peers, text) in enumerate(res):
+        assert n == res[0][0] > 0
+        others = [q for q in range(p) if q != r]
+        if mode == "forced-off":
+            assert peers == [] and "MINICOMM_CMA=0" in text, text
+        else:
+            assert peers == others, text
+            assert "single-copy" in text
+
+
+def _p2p_out_of_the_way(comm):
+    """A large p2p message meets a receiver busy with a collective: the receiver reads it out of
+    the way (an unexpected message) so the collective goes on; then the receive takes it."""
+    big = np.arange(1 << 20, dtype=np.float64) + comm.rank    # 8 MiB
+    if comm.rank == 0:
+        comm.send(big, 1, tag=5)          # returns once rank 1 has read it
+        comm.barrier()
+        return True
+    comm.barrier()
+    got = comm.recv(0, tag=5)
+    return bool(np.array_equal(got, np.arange(1 << 20, dtype=np.float64)))
+
+
+def test_large_p2p_send_is_read_out_of_the_way_of_a_collective():
+    assert mc.spawn(_p2p_out_of_the_way, 2, transport="shm", timeout=60) == [True, True]
+
+
+def _inplace_and_reuse(comm):
+    p, r = comm.size, comm.rank
+    n = 600_000                                              # 2.4 MB blocks of float32
+    buf = np.empty((p, n), dtype=np.float32)
+    for it in range(3):                                      # the same buffers, changed between
+        buf[r] = r + 10 * it
+        comm.allgather(buf[r], out=buf)                      # in place: our block is inside
+        want = np.repeat((np.arange(p) + 10 * it)[:, None], n, axis=1).astype(np.float32)
+        assert np.array_equal(buf, want), it
+        x = np.full((p, n), r + it, dtype=np.float32)
+        y = comm.alltoall(x)
+        assert np.array_equal(y, np.repeat((np.arange(p) + it)[:, None], n, axis=1)), it
+    return comm.transport.single_copy_peers()
+
+
+def test_in_place_allgather_and_buffer_reuse_at_default_threshold():
+    if cma.disabled() is not None:
+        pytest.skip(f"single copy unavailable: {cma.disabled()}")
+    res = mc.spawn(_inplace_and_reuse, 3, transport="shm", timeout=60)
+    assert res == [[1, 2], [0, 2], [0, 1]]
+
+
+def _killed_while_read(comm):
+    import signal
+    x = np.ones(4 << 20, dtype=np.float32)                  # 16 MiB broadcasts, single copy
+    for i in range(1000):
+        if comm.rank == 1 and i == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        comm.broadcast(x, root=1)
+
+
+def test_a_sender_killed_mid_job_is_a_peer_failure_not_a_hang():
+    with pytest.raises(mc.SpawnError) as ei:
+        mc.spawn(_killed_while_read, 2, transport="shm", timeout=60)
+    assert "rank 1" in str(ei.value)

@@ -1,0 +1,144 @@
+"""cma: single-copy transfers between processes of one node (Linux cross-memory attach).
+
+``process_vm_readv(pid, local_iov, remote_iov)`` copies bytes from another process's address
+space into ours in one pass inside the kernel: no shared staging buffer, no copy into it. The
+shm transport uses it for large messages (see shm.py, "Single copy"): the sender publishes
+(address, length) of its buffer in a ring record, the receiver reads it straight into the
+destination (or, for a reducing receive, into a small cache-resident scratch it reduces from),
+then hands the record's ring space back, which tells the sender its buffer is free again. MPICH
+and Open MPI move large intra-node messages the same way.
+
+Restrictions. Linux >= 3.2 and a C library that exports the calls (glibc >= 2.15, musl), reached
+through ctypes. The kernel allows it only where the reader may ptrace the target
+(PTRACE_MODE_ATTACH: same user, and ``kernel.yama.ptrace_scope`` 0, or the reader has
+CAP_SYS_PTRACE); containers often forbid it by seccomp, and ranks in different pid namespaces
+cannot name each other. None of that is assumed: ``probe`` reads a known token from each peer at
+setup, and a pair whose probe fails (or ``MINICOMM_CMA=0``) keeps the ring path: the same
+algorithms, the data copied twice through shared memory. The choice per peer is logged under
+``MINICOMM_DEBUG=info`` and shown by ``ShmTransport.describe_copies()``.
+
+Cost: one system call per transfer (~1-3 us) plus one copy of the bytes (the kernel pins the
+remote pages as it goes, a few percent slower than a user-space memcpy of cache-cold data).
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from typing import Optional
+
+import numpy as np
+
+ENV = "MINICOMM_CMA"                 # "0" / "off": never use single-copy reads
+MIN_ENV = "MINICOMM_CMA_MIN"         # messages of at least this many bytes go single-copy
+DEFAULT_MIN = 2 << 20
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_calls = None                        # (readv, writev), bound on first use
+_unbound: Optional[str] = None       # why they could not be bound
+
+
+def _bind():
+    global _calls, _unbound
+    if _calls is None and _unbound is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fns = []
+            for name in ("process_vm_readv", "process_vm_writev"):
+                fn = getattr(libc, name)
+                fn.restype = ctypes.c_ssize_t
+                fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                               ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+                fns.append(fn)
+            _calls = tuple(fns)
+        except (OSError, AttributeError) as e:
+            _unbound = f"process_vm_readv is not available from the C library ({e})"
+    return _calls
+
+
+def disabled() -> Optional[str]:
+    """Why single-copy transfers are off in this process before any probe (None: not off)."""
+    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "no", "false"):
+        return f"{ENV}={os.environ[ENV]}"
+    if _bind() is None:
+        return _unbound
+    return None
+
+
+def min_bytes() -> int:
+    raw = os.environ.get(MIN_ENV)
+    if raw is None:
+        return DEFAULT_MIN
+    try:
+        v = int(raw)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise ValueError(f"{MIN_ENV}={raw!r}: expected a byte count >= 0")
+    return v
+
+
+class CmaError(OSError):
+    """A single-copy transfer failed; ``errno`` says why (ESRCH: the peer is gone)."""
+
+
+def _address(buf: np.ndarray) -> int:
+    return buf.__array_interface__["data"][0]
+
+
+def _transfer(which: int, pid: int, local: np.ndarray, remote_addr: int) -> None:
+    fns = _bind()
+    if fns is None:
+        raise CmaError(errno.ENOSYS, _unbound)
+    if not local.flags.c_contiguous:
+        raise ValueError("cma: the local buffer must be contiguous")
+    n = local.nbytes
+    base = _address(local)
+    fn = fns[which]
+    done = 0
+    lv, rv = _IoVec(), _IoVec()
+    lp, rp = ctypes.byref(lv), ctypes.byref(rv)
+    while done < n:                   # the kernel may move fewer bytes than asked: go on
+        lv.iov_base, lv.iov_len = base + done, n - done
+        rv.iov_base, rv.iov_len = remote_addr + done, n - done
+        got = fn(pid, lp, 1, rp, 1, 0)
+        if got <= 0:
+            err = ctypes.get_errno() if got < 0 else errno.EIO
+            verb = "process_vm_readv from" if which == 0 else "process_vm_writev to"
+            raise CmaError(err, f"{verb} pid {pid} at {remote_addr + done:#x} "
+                                f"({n - done} bytes): {os.strerror(err)}")
+        done += got
+
+
+def read(pid: int, remote_addr: int, dst: np.ndarray) -> None:
+    """Copy ``dst.nbytes`` bytes at ``remote_addr`` in process ``pid`` into ``dst``."""
+    _transfer(0, pid, dst, remote_addr)
+
+
+def write(pid: int, remote_addr: int, src: np.ndarray) -> None:
+    """Copy ``src`` to ``remote_addr`` in process ``pid``."""
+    _transfer(1, pid, src, remote_addr)
+
+
+def probe(pid: int, remote_addr: int, expected: bytes) -> Optional[str]:
+    """None if this process can read ``expected`` at ``remote_addr`` of ``pid``, else why not
+    (the reason names the errno and the usual cause)."""
+    why = disabled()
+    if why is not None:
+        return why
+    got = np.zeros(len(expected), dtype=np.uint8)
+    try:
+        read(pid, remote_addr, got)
+    except CmaError as e:
+        hint = {errno.EPERM: " (ptrace access denied: kernel.yama.ptrace_scope, a container's "
+                             "seccomp profile, or another user)",
+                errno.ENOSYS: " (the kernel or a seccomp filter lacks the call)",
+                errno.ESRCH: " (no such process here: another pid namespace?)"}.get(e.errno, "")
+        return f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}{hint}"
+    if got.tobytes() != expected:
+        return f"pid {pid} holds other bytes at {remote_addr:#x} (another pid namespace?)"
+    return None
