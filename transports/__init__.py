@@ -178,6 +178,8 @@ def rma_backend(transport):
     """The one-sided interface of ``transport`` (``rma_expose`` / ``rma_attach``, what windows
     use), or None: rdma and ub are their own; shm shares the window memory directly; tcp,
     inproc and routed shm+tcp have none (a tcp peer cannot be reached one-sided)."""
+    from .fault import unwrap
+    transport = unwrap(transport)         # MINICOMM_FAULT's wrapper: RMA is not faulted
     if hasattr(transport, "rma_expose"):
         return transport
     from .shm import ShmTransport

@@ -94,7 +94,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from minicomm.errors import CommError, CommTimeout, call_reduces
+from minicomm.errors import CommError, CommTimeout, PeerFailure, call_reduces
 from minicomm.rendezvous import accept_peers, dial_peer
 from minicomm.settings import byte_setting
 from . import cma, futex, segment
@@ -356,8 +356,11 @@ class ShmTransport(LinkEngine):
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError as e:
-            raise CommError(f"shm: cannot open rank {p.rank}'s segment {path} ({e.strerror}): "
-                            f"it failed or exited during setup") from None
+            # it said "ready", then left (failed or timed out in setup, unlinking its segment)
+            err = PeerFailure(f"shm: cannot open rank {p.rank}'s segment {path} ({e.strerror}): "
+                              f"it failed or exited during setup")
+            err.peer = p.rank
+            raise err from None
         try:
             segment.check_owner(fd, path)     # a guessable name: trust only our own file
             mm = mmap.mmap(fd, 0, flags=_MAP_FLAGS)

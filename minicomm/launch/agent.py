@@ -20,8 +20,8 @@ stderr
 
 Each rank runs in a process group of its own, so ending a rank ends what it started. The
 agent is single-threaded (ranks are forked with a pre-exec hook that arms PR_SET_PDEATHSIG,
-which is safe only without threads): if the agent itself is SIGKILLed, the kernel kills its
-ranks. On every exit path the ranks are reaped and /dev/shm/minicomm-<job_id>-* is swept.
+which is safe only without threads): if the agent itself is SIGKILLed, the kernel sends its
+ranks SIGTERM, which mc.init made an orderly exit that cleans up (lifeline.py). On every exit path the ranks are reaped and /dev/shm/minicomm-<job_id>-* is swept.
 Exit status: the first non-zero rank status (128+N for a rank killed by signal N), else 0.
 ``python -m minicomm.launch.agent --sweep JOB_ID`` only sweeps the segments (after a lost agent).
 """
@@ -54,7 +54,9 @@ def _status_code(returncode: int) -> int:
 
 
 def _pdeathsig_hook():
-    """A pre-exec function that makes the kernel SIGKILL the child when this agent dies."""
+    """A pre-exec function that makes the kernel SIGTERM the child when this agent dies (the
+    rank's mc.init made SIGTERM an orderly, bounded exit that unlinks its segments and sweeps
+    the job's: lifeline.py)."""
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl   # resolved now: nothing to load after fork
     except (OSError, AttributeError):                     # not Linux: rely on the normal paths
@@ -62,7 +64,7 @@ def _pdeathsig_hook():
     agent = os.getpid()
 
     def hook():
-        prctl(1, signal.SIGKILL, 0, 0, 0)                 # PR_SET_PDEATHSIG
+        prctl(1, signal.SIGTERM, 0, 0, 0)                 # PR_SET_PDEATHSIG
         if os.getppid() != agent:                         # the agent died before prctl took effect
             os._exit(1)
     return hook
@@ -121,7 +123,8 @@ class Agent:
                    MINICOMM_HOST=str(job["node"]),     # each host of the list is a machine
                    MINICOMM_MASTER_ADDR=master[0], MINICOMM_MASTER_PORT=master[1],
                    MASTER_ADDR=master[0], MASTER_PORT=master[1],
-                   MINICOMM_JOB_TOKEN=job["token"], MINICOMM_JOB_ID=job["job_id"])
+                   MINICOMM_JOB_TOKEN=job["token"], MINICOMM_JOB_ID=job["job_id"],
+                   MINICOMM_LAUNCHER_PID=str(os.getpid()))
         hook = _pdeathsig_hook()
         for local in range(job["local_size"]):
             rank = job["first_rank"] + local

@@ -83,6 +83,7 @@ from ..communicator import Communicator
 from ..errors import CommError, CommTimeout
 from ..rendezvous import StoreServer, new_token
 from ..settings import env_choice, env_seconds, env_timeout, timeout_arg
+from . import lifeline
 from .world import TRANSPORTS, connect_world
 
 FOREIGN_SETUP_TIMEOUT = 30.0      # seconds, under launchers other than minicomm's own
@@ -819,6 +820,11 @@ def init(transport: Optional[str] = None, timeout: Optional[float] = None,
     if transport not in TRANSPORTS:
         raise ValueError(f"mc.init(): transport={transport!r}: choose one of {', '.join(TRANSPORTS)}")
     launch = detect(env)
+    if env.get("MINICOMM_LAUNCHER_PID", "").isdigit():
+        # started by minicomm run / the ssh agent through the lifeline: SIGTERM (the launcher's,
+        # or the kernel's when the launcher died) is an orderly exit that unlinks our segments
+        lifeline.install_orderly_exit(int(env["MINICOMM_LAUNCHER_PID"]),
+                                      env.get("MINICOMM_JOB_ID"))
     if launch.rank == 0:          # once per job, not once per rank
         for note in launch.notes:
             print(f"minicomm: {note}", file=sys.stderr)

@@ -4,8 +4,10 @@
 Process worlds: the parent hosts the rendezvous store (authenticated with a fresh job token),
 starts ``world_size`` interpreters running ``python -m minicomm.launch.worker``, and hands each
 its function, arguments and configuration over its stdin (cloudpickle; the token never appears on a command
-line). Each child writes one result record to a private pipe. The child keeps reading its stdin:
-end-of-file means the parent is gone, and the child exits rather than linger as an orphan.
+line). Each child writes one result record to a private pipe. A child dies with its parent: the
+kernel sends it SIGTERM when the parent dies (PR_SET_PDEATHSIG, lifeline.py), and its stdin
+reaching end-of-file says the same; either way it leaves through an orderly, bounded exit that
+unlinks its /dev/shm segments and sweeps the job's, so a killed caller leaves nothing behind.
 
 Failure policy (what ``SpawnError`` reports): the first rank to fail with its own error is the root
 cause; ranks that then fail with ``PeerFailure`` (they lost a peer) are listed after it. After the
@@ -34,6 +36,8 @@ from ..cost import LinkModel, parse_algo_env
 from ..errors import CommError, PeerFailure, SpawnError
 from ..rendezvous import StoreServer
 from ..settings import env_debug, env_timeout, timeout_arg
+from ..transports import fault
+from .lifeline import EXEC_UNDER_LIFELINE
 from .world import TRANSPORTS, node_map
 
 FAILURE_GRACE = 5.0     # seconds the surviving ranks get to notice a failure by themselves
@@ -84,8 +88,14 @@ def _spawn_threads(fn, world_size, args, topology, timeout):
     lock = threading.Lock()
     model = LinkModel.for_transports("inproc", "inproc")
 
+    # MINICOMM_FAULT (checked here, in the caller: a bad value is its ValueError)
+    transports = [fault.wrap(InprocTransport(fabric, r), r, processes=False)
+                  for r in range(world_size)]
+    finished = threading.Condition()
+    done = []
+
     def body(rank: int):
-        comm = Communicator(InprocTransport(fabric, rank), rank, world_size, topology=topology,
+        comm = Communicator(transports[rank], rank, world_size, topology=topology,
                             timeout=timeout, check="full", link_model=model)
         try:
             results[rank] = fn(comm, *args)
@@ -96,19 +106,32 @@ def _spawn_threads(fn, world_size, args, topology, timeout):
             fabric.abort(rank, e)
         finally:
             comm.close()
+            with finished:
+                done.append(rank)
+                finished.notify_all()
 
     threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"minicomm-rank{r}")
                for r in range(world_size)]
     for t in threads:
         t.start()
-    end = None if timeout is None else time.monotonic() + timeout + FAILURE_GRACE
-    for r, t in enumerate(threads):
-        t.join(None if end is None else max(0.0, end - time.monotonic()))
-    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    # As for processes: ``timeout`` is the ranks' per-wait limit, not a job deadline. A healthy
+    # job runs as long as it computes; after the first failure the others get a grace period.
+    with finished:
+        while len(done) < world_size:
+            with lock:
+                first = min((f[0] for f in failures), default=None)
+            if first is None:
+                finished.wait(60.0)          # woken by each finishing rank; re-checks failures
+                continue
+            left = first + FAILURE_GRACE - time.monotonic()
+            if left <= 0:
+                break
+            finished.wait(left)
+    hung = [r for r in range(world_size) if r not in done]
     if hung:
-        fabric.abort(hung[0], CommError("spawn timeout"))
-        failures.extend((time.monotonic(), r, f"still running after timeout={timeout}s", False, "")
-                        for r in hung)
+        fabric.abort(hung[0], CommError("spawn: the job failed"))
+        failures.extend((time.monotonic(), r, f"still running {FAILURE_GRACE:.0f}s after the job "
+                         f"failed", True, "") for r in hung)
     if failures:
         _raise_spawn_error(failures, world_size)
     return results
@@ -143,7 +166,8 @@ def _spawn_processes(fn, world_size, args, transport, topology, timeout):
                        job_id=job_id, transport=transport, timeout=timeout, result_fd=wfd,
                        sys_path=list(sys.path), cwd=os.getcwd())
             payload = cloudpickle.dumps(cfg) + blob
-            p = subprocess.Popen([sys.executable, "-m", "minicomm.launch.worker"], stdin=subprocess.PIPE,
+            p = subprocess.Popen([sys.executable, "-m", "minicomm.launch.worker", str(os.getpid())],
+                                 stdin=subprocess.PIPE,
                                  pass_fds=(wfd,), cwd=os.getcwd())
             os.close(wfd)
             readers[rank] = rfd
@@ -193,7 +217,8 @@ def _collect(procs, readers, world_size, timeout):
                 if r not in finished:
                     procs[r].kill()
                     why = f"killed {FAILURE_GRACE:.0f}s after the job failed"
-                    failures.append((now, r, why, True, ""))
+                    # wall clock, as the ranks' own records (monotonic sorted it first)
+                    failures.append((time.time(), r, why, True, ""))
                     finished.add(r)
             break
         events = sel.select(None if limit is None else max(0.01, limit - now))
@@ -232,7 +257,11 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
               timeout: Optional[float] = None, python: str = sys.executable,
               out=None) -> int:
     """``minicomm run -n N script.py args`` on this box: start N ranks, prefix their output with
-    ``[rank]``, end them all when one fails or on Ctrl-C/SIGTERM; return the exit status."""
+    ``[rank]``, end them all when one fails or on Ctrl-C/SIGTERM; return the exit status.
+
+    Each rank is exec'd through lifeline.EXEC_UNDER_LIFELINE: if this launcher dies (even by
+    SIGKILL) the kernel sends every rank SIGTERM, and ``mc.init`` gave the rank an orderly SIGTERM
+    exit that unlinks its segments and sweeps the job's (lifeline.py)."""
     out = out or sys.stdout.buffer
     timeout = timeout_arg("--timeout", timeout)
     topology = node_map(nprocs, nodes)
@@ -258,17 +287,24 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
                        MINICOMM_HOST=socket.gethostname(),    # the nodes are emulated: one host
                        MINICOMM_MASTER_ADDR="127.0.0.1", MINICOMM_MASTER_PORT=str(server.port),
                        MINICOMM_JOB_TOKEN=token.hex(), MINICOMM_JOB_ID=job_id,
-                       MINICOMM_TRANSPORT=transport, PYTHONUNBUFFERED="1")
+                       MINICOMM_TRANSPORT=transport, PYTHONUNBUFFERED="1",
+                       MINICOMM_LAUNCHER_PID=str(os.getpid()))
             if timeout is not None:
                 env["MINICOMM_TIMEOUT"] = str(timeout)
-            p = subprocess.Popen([python] + list(argv), stdout=subprocess.PIPE,
+            # through the lifeline: the rank gets SIGTERM if this launcher dies, even by SIGKILL
+            p = subprocess.Popen([python, "-S", "-c", EXEC_UNDER_LIFELINE, str(os.getpid()),
+                                  python] + list(argv), stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, env=env, start_new_session=True)
             procs.append(p)
             for stream in (p.stdout, p.stderr):
                 sel.register(stream, selectors.EVENT_READ, (rank, stream, bytearray()))
         open_streams = 2 * nprocs
         closed: Dict[int, int] = {}      # rank -> order in which its output first ended
+        drained: Dict[int, int] = {r: 0 for r in range(nprocs)}   # rank -> streams at EOF
+        last_error: Dict[int, bytes] = {}  # rank -> its last stderr line at column 0
         failed_at = None
+        first_death_at = None
+        dead_since: Dict[int, float] = {}
         while open_streams or any(p.poll() is None for p in procs):
             if stop["signal"] is not None and failed_at is None:
                 failed_at = time.monotonic()
@@ -286,6 +322,7 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
                         out.write(b"[%d] " % rank + bytes(pending) + b"\n")
                     sel.unregister(stream)
                     open_streams -= 1
+                    drained[rank] += 1
                     closed.setdefault(rank, len(closed))
                     continue
                 pending += data
@@ -293,16 +330,33 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
                 pending[:] = rest
                 for line in lines:
                     out.write(b"[%d] " % rank + line + b"\n")
+                    if stream is procs[rank].stderr and line[:1].strip():
+                        last_error[rank] = line    # an exception's line, not a frame or note
                 out.flush()
             # The first rank to fail is the root cause; the others may only have lost it. Ranks
             # found dead in one pass are ordered by when their output ended (the epoll ready
-            # list keeps that order), not by rank.
-            dead = [(closed.get(r, len(procs)), r) for r, p in enumerate(procs)
-                    if p.poll() not in (None, 0)]
-            for _, rank in sorted(dead)[:1]:
-                rc = procs[rank].poll()
-                if failed_at is None:
-                    failed_at = time.monotonic()
+            # list keeps that order), not by rank. A rank that died of a PeerFailure (its last
+            # error line says so) only lost a peer: while the peer that failed first may still
+            # be on its way out, the verdict waits for it (bounded by the grace period), so the
+            # cause is named, not the first of its casualties to exit.
+            now = time.monotonic()
+            for r, p in enumerate(procs):
+                if p.poll() not in (None, 0):
+                    dead_since.setdefault(r, now)
+            # read to the end first (its last error line), unless a child of it holds the pipes
+            dead = [(closed.get(r, len(procs)), r) for r, t in dead_since.items()
+                    if drained[r] == 2 or now >= t + FAILURE_GRACE]
+            if dead and failed_at is None:
+                if first_death_at is None:
+                    first_death_at = now
+                ordered = [r for _, r in sorted(dead)]
+                causes = [r for r in ordered
+                          if not last_error.get(r, b"").startswith(b"minicomm.errors.PeerFailure")]
+                everyone_done = all(p.poll() is not None for p in procs)
+                if causes or everyone_done or now >= first_death_at + FAILURE_GRACE:
+                    rank = (causes or ordered)[0]
+                    rc = procs[rank].poll()
+                    failed_at = now
                     exit_code = rc if rc > 0 else 128 - rc
                     msg = f"minicomm run: rank {rank} exited with status {rc}; ending the job\n"
                     out.write(msg.encode())

@@ -3,6 +3,12 @@
 Reads its configuration and the cloudpickled (fn, args) from stdin, runs ``fn(comm, *args)``, and
 writes one record — ("ok", result) or ("error", (time, summary, lost_a_peer, traceback)) — to the
 result pipe the parent passed. Then keeps nothing: the communicator is closed on every path.
+
+Dying with the parent (argv[1] is its pid): the kernel sends SIGTERM when it dies
+(PR_SET_PDEATHSIG, lifeline.py; a parent that died before that was armed is caught at once), and
+the parent holds our stdin open for the whole job, so end-of-file is a second, portable signal.
+Either way the rank leaves through the orderly SIGTERM path (``Terminated`` in the main thread:
+the transport aborts, segments are unlinked, the job's are swept), bounded by a watchdog.
 """
 from __future__ import annotations
 
@@ -25,26 +31,29 @@ def _read_exact(stream, n: int) -> bytes:
 
 
 def _watch_parent(stream) -> None:
-    """The parent holds our stdin open for the whole job: EOF means it died. Leave at once."""
+    """The parent holds our stdin open for the whole job: EOF means it died. Leave (orderly,
+    bounded: see lifeline.terminate_self)."""
     while stream.read(4096):
         pass
-    try:                      # os._exit skips atexit: unlink our segments ourselves
-        from minicomm.transports import segment, shm
-        shm._unlink_at_exit()
-        segment._unlink_at_exit()         # rdma / ub arenas and shm windows
-    except Exception:
-        pass
-    os._exit(70)
+    from minicomm.launch import lifeline
+    lifeline.terminate_self()
 
 
 def main() -> int:
     import faulthandler
     import signal
+
+    from minicomm.launch import lifeline
+    parent = int(sys.argv[1]) if len(sys.argv) > 1 else None
+    if parent is not None and lifeline.arm_parent_death(parent) is False:
+        os._exit(lifeline.ORPHAN_EXIT)      # the parent died before the death signal was armed
+    lifeline.install_orderly_exit(parent)
     faulthandler.register(signal.SIGUSR1)   # `kill -USR1 <pid>` prints where a hung rank is
     stdin = sys.stdin.buffer
     cfg_len, blob_len = struct.unpack("!QQ", _read_exact(stdin, 16))
     import cloudpickle
     cfg = cloudpickle.loads(_read_exact(stdin, cfg_len))
+    lifeline.install_orderly_exit(job_id=cfg["job_id"])
     sys.path[:] = cfg["sys_path"]      # as multiprocessing's spawn does: the parent's modules import
     os.chdir(cfg["cwd"])
     blob = _read_exact(stdin, blob_len)
@@ -79,10 +88,17 @@ def main() -> int:
         data = cloudpickle.dumps(("error", (time.time(), f"result of rank {cfg['rank']} cannot be "
                                             f"pickled: {e}", False, traceback.format_exc())))
         code = 1
-    with os.fdopen(out_fd, "wb") as f:
-        f.write(data)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    try:
+        with os.fdopen(out_fd, "wb") as f:
+            f.write(data)
+    except OSError:               # the parent is gone: nobody to report to
+        pass
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except OSError:
+        pass
+    lifeline.cleanup_now()        # os._exit skips atexit
     os._exit(code)
 
 

@@ -23,7 +23,7 @@ from ..cost import LinkModel
 from ..errors import CommError, CommTimeout
 from ..rendezvous import AuthError, RendezvousError, StoreClient, StoreServer, rank_ranges
 from ..settings import env_timeout, timeout_arg
-from ..transports import connect
+from ..transports import connect, fault
 from ..transports.progress import SPIN_S
 
 TRANSPORTS = ("auto", "shm", "tcp", "rdma", "ub", "inproc")
@@ -73,6 +73,7 @@ def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
     ``close``; minicomm.torch adapts the c10d store torch gives a backend). This rank joins it;
     ``master_port``, ``host_store`` and ``store_server`` are not used."""
     rank, size = cfg["rank"], cfg["size"]
+    fault.from_env()             # a bad MINICOMM_FAULT is a ValueError before anything is built
     token = bytes.fromhex(cfg["token"])
     timeout = timeout_arg("timeout", cfg.get("timeout"))
     setup_timeout = (timeout_arg("setup_timeout", cfg.get("setup_timeout")) or timeout
@@ -131,6 +132,7 @@ def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
         if server is not None:
             server.close()
         raise
+    t = fault.wrap(t, rank)      # MINICOMM_FAULT: t itself unless set (then no per-message cost)
     intra, inter = link_names(kind, len(set(topology)) > 1)
     comm = Communicator(t, rank, size, topology=topology, timeout=timeout,
                         link_model=LinkModel.for_transports(intra, inter, spin=SPIN_S))
@@ -139,8 +141,13 @@ def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
         # rank 0's measured (or cached) links and tuned table, so auto agrees on every rank
         if _link_agreement is not None:
             comm.link_model = _link_agreement(comm, intra, inter)
-    except BaseException:
-        comm.close()
+    except BaseException as e:
+        # a failing rank is not a finished one: peers must hear of a failure (abort), not the
+        # orderly goodbye close() alone sends (they reported "it finished")
+        try:
+            t.abort(f"{type(e).__name__}: {e}")
+        finally:
+            comm.close()
         raise
     if comm.debug_info and hasattr(t, "describe"):
         comm._log(f"transports: {t.describe()}")
