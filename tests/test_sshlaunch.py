@@ -225,3 +225,31 @@ def _gone(pid):
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_the_token_is_on_no_command_line_of_the_ssh_launch(tmp_path):
+    # SECURITY.md: `minicomm run --hosts` sends the token on the ssh session's stdin; no command
+    # line (the ssh argv, the agent's, the ranks') carries it. Each rank scans every process's
+    # command line on the box while its agent and the launcher's ssh session are alive.
+    body = """
+        import glob, json, os
+        token = os.environ["MINICOMM_JOB_TOKEN"]
+        hits = []
+        for path in glob.glob("/proc/[0-9]*/cmdline"):
+            try:
+                with open(path, "rb") as f:
+                    if token.encode() in f.read():
+                        hits.append(path)
+            except OSError:
+                pass
+        agent = open(f"/proc/{os.getppid()}/cmdline", "rb").read()
+        print(json.dumps(dict(rank=int(os.environ["MINICOMM_RANK"]), hits=hits,
+                              token=len(token), agent="minicomm.launch.agent" in agent.decode())))
+    """
+    rc, out, err, _ = _job(tmp_path, body, [("nodeA", 1), ("nodeB", 1)])
+    assert rc == 0, err
+    rows = [json.loads(line.partition(" ")[2]) for line in out.splitlines()]
+    assert sorted(r["rank"] for r in rows) == [0, 1]
+    for r in rows:
+        assert r["token"] == 64 and r["agent"], r
+        assert r["hits"] == [], r
