@@ -657,7 +657,7 @@ def test_token_is_never_in_argv_or_logs(tmp_path):
     """))
     out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "minicomm"), "run", "-n", "2", str(script)],
                          capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, MINICOMM_DEBUG="1"))
+                         env=dict(os.environ, MINICOMM_DEBUG="detail"))
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert sum("argv-clean True" in ln for ln in lines) == 2, out.stdout

@@ -207,6 +207,13 @@ class FaultTransport(Transport):
     def __getattr__(self, name):         # describe(), rma_expose, job_id, ... of the inner one
         return getattr(self.__dict__["inner_transport"], name)
 
+    def send_now(self, peer: int, buf, tag: Tag) -> bool:
+        """The small-message path's direct send (shm): never taken here, so that every message
+        goes through ``isend`` and meets the fault (its caller then posts it with ``isend``).
+        Every send entry point of a transport must be defined on this class, not forwarded by
+        ``__getattr__`` (tests/chaos/test_fault.py checks it)."""
+        return False
+
     def isend(self, peer: int, buf, tag: Tag) -> Request:
         if peer == self.rank:
             return self.inner_transport.isend(peer, buf, tag)

@@ -77,6 +77,18 @@ def _mixed(comm, iters):
     return True
 
 
+def test_every_send_entry_point_of_a_transport_is_faulted_not_forwarded():
+    # a send method the wrapper forwards through __getattr__ would bypass the fault (the
+    # small-message path's shm.send_now once did): each must be defined on FaultTransport
+    from minicomm.transports import inproc, rdma, shm, tcp, ub
+    classes = (shm.ShmTransport, tcp.TcpTransport, inproc.InprocTransport, rdma.RdmaTransport,
+               ub.UbTransport)
+    sends = {name for cls in classes for name in dir(cls)
+             if "send" in name and not name.startswith("_") and callable(getattr(cls, name))}
+    assert {"isend", "send_now"} <= sends
+    assert [n for n in sorted(sends) if n not in fault.FaultTransport.__dict__] == []
+
+
 @pytest.mark.parametrize("transport,size", [("shm", 3), ("tcp", 2), ("inproc", 4)])
 def test_delays_keep_results_exact(monkeypatch, transport, size):
     monkeypatch.setenv("MINICOMM_FAULT", "delay:0-3ms,seed:5")
