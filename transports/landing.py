@@ -38,7 +38,7 @@ from __future__ import annotations
 import struct
 import time
 from collections import deque
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import numpy as np
 
@@ -229,12 +229,6 @@ class LandingEngine(LinkEngine):
             link.inbox.post(req)
             self._active[link] = None
         return req
-
-    def wait_all(self, requests: List[Request], deadline: float, what: str) -> None:
-        self._progress.wait(requests, deadline, what)
-
-    def wait_any(self, requests: List[Request], deadline: float, what: str) -> None:
-        self._progress.wait(requests, deadline, what, any_done=True)
 
     def progress(self) -> bool:
         """One non-blocking pass: drain completions, then push and pull every active link."""

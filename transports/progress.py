@@ -478,6 +478,14 @@ class LinkEngine(Transport):
     def _link(self, peer: int):
         raise NotImplementedError
 
+    _progress: "Progress"
+
+    def wait_all(self, requests: List[Req], deadline: float, what: str) -> None:
+        self._progress.wait(requests, deadline, what)
+
+    def wait_any(self, requests: List[Req], deadline: float, what: str) -> None:
+        self._progress.wait(requests, deadline, what, any_done=True)
+
     _cancelled: Dict[int, BaseException]
 
     def check(self, req: Req, what: str) -> None:

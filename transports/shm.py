@@ -578,12 +578,6 @@ class ShmTransport(LinkEngine):
         p.tx_q[_HEAD] = head          # publish the record
         return True
 
-    def wait_all(self, requests: List[Request], deadline: float, what: str) -> None:
-        self._progress.wait(requests, deadline, what)
-
-    def wait_any(self, requests: List[Request], deadline: float, what: str) -> None:
-        self._progress.wait(requests, deadline, what, any_done=True)
-
     def progress(self) -> bool:
         """One non-blocking pass over every peer with work (called under the progress lock)."""
         active = self._active

@@ -37,7 +37,7 @@ import socket
 import struct
 import time
 from collections import deque
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import numpy as np
 
@@ -165,12 +165,6 @@ class TcpTransport(LinkEngine):
             c.inbox.post(req)
             self._active[c] = None
         return req
-
-    def wait_all(self, requests: List[Request], deadline: float, what: str) -> None:
-        self._progress.wait(requests, deadline, what)
-
-    def wait_any(self, requests: List[Request], deadline: float, what: str) -> None:
-        self._progress.wait(requests, deadline, what, any_done=True)
 
     def progress(self) -> bool:
         moved = False
