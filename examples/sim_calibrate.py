@@ -9,9 +9,10 @@ interleaved so that each prediction uses links measured minutes (not an hour) be
      per working set 64 KiB .. 64 MiB, and the slowdown of two copiers at once), and the load
      average;
   2. a two-rank link sweep through the benchmark tool (``minicomm bench broadcast,allgather
-     --algorithms tree,rhd``, 8 B .. 4 MiB, in a fresh link cache so its world start also probes
+     --algorithms tree,rhd``, 8 B .. 16 MiB, in a fresh link cache so its world start also probes
      the wake-up cost): o, latency and (tcp) β are fitted to it by least squares through the
-     engine (``minicomm.tuning.calibration.fit_links``; shm's β is 2δ by the model);
+     engine (``minicomm.tuning.calibration.fit_links``, once per transport over all its sweeps;
+     shm's β is its two copies by the model);
   3. the measured run: ``minicomm bench allreduce,allgather,broadcast`` at that world size,
      ring / tree / rhd, sizes 64 KiB .. 64 MiB; the load average again.
 Every row is then predicted by ``minicomm.cost.schedule_time`` — the real schedules on the
@@ -28,20 +29,24 @@ import subprocess
 import sys
 import tempfile
 
+from minicomm import cost
 from minicomm.tuning import calibration as cal
 from minicomm.tuning.links import measure_memory
 
 COLLS = "allreduce,allgather,broadcast"
-PROBE_SIZES = "8,4K,64K,512K,4M"
+PROBE_SIZES = "8,4K,64K,512K,4M,16M"
 
 
 BATCH_TIME = 0.005     # short batches: more of them fit between other jobs' bursts
+# warm-up calls per row: the benchmark sizes its batches from the median of all but the first,
+# so one preempted call cannot shrink a batch to a single call
+WARMUP = 6
 
 
 def run_bench(path, transport, n, sizes, algos, colls, env, batches):
     cmd = [sys.executable, "-m", "minicomm.cli", "bench", colls, "--sizes", sizes, "-n", str(n),
            "--transport", transport, "--algorithms", algos, "--batches", str(batches),
-           "--batch-time", str(BATCH_TIME), "--warmup", "2", "--json", path]
+           "--batch-time", str(BATCH_TIME), "--warmup", str(WARMUP), "--json", path]
     print("#", " ".join(cmd[2:]), flush=True)
     for attempt in range(3):      # a failed world start (seen under load) is retried, and said
         done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -102,15 +107,18 @@ def print_table(raw):
           f"{runs[0].get('cores')} cores (this box is shared with other jobs)")
     cells = cal.merge_rounds(raw)
     rows = cal.calibration_rows(raw, cells)
-    print("# per transport and world size: links fitted to its probe sweeps (fastest batch over "
-          "all rounds; shm β = 2δ of the working set), memory, wake, load average per round:")
+    print("# per transport and world size: the link (one per transport, fitted to all its probe "
+          "sweeps, the fastest batch of each row over all rounds), memory (δ by working set; "
+          "shm's β is δ(working set) + δ(ring), tcp's the fitted β plus the kernel's copies), "
+          "wake (world start's probe), load average per round:")
     for c in cells:
         ln, mem = c["links"], c["memory"]
+        beta = ("δ(ws) + δ(ring)" if c["transport"] in cost.COPY_TRANSPORTS
+                else f"{1e-9 / ln['beta']:.2f} GB/s")
         print(f"#   {c['transport']} n={c['ranks']}: o {ln['overhead'] * 1e6:.1f} us, latency "
-              f"{ln['latency'] * 1e6:.1f} us, per call {ln['call_overhead'] * 1e6:.1f} us, "
-              f"background {ln['background']:.2f} threads, β {1e-9 / ln['beta']:.2f} GB/s; wake "
+              f"{ln['latency'] * 1e6:.1f} us, β {beta}; wake "
               f"{c['wake'] * 1e6:.0f} us; δ {1e-9 / mem[0][1]:.0f}..{1e-9 / mem[-1][1]:.1f} GB/s "
-              f"(64K..64M), contention {mem[0][3]:.2f}..{mem[-1][3]:.2f}; load average "
+              f"(64K..64M); load average "
               + ", ".join(f"{a:.2f}->{b:.2f}" for a, b in c["load"]))
     print(f"{'transport':>9} {'n':>2} {'collective':>10} {'algo':>5} {'size':>7} "
           f"{'fastest':>10} {'median':>10} {'predicted':>10} {'error':>7}")

@@ -33,19 +33,28 @@ receives in arrival order: o plus the copy-out, β/2 per byte (a reducing receiv
 reduces straight out of the landing memory), the last piece no earlier than the sender copied it
 in. FIFO matching per pair. A waiting rank spins for the model's ``spin``, then sleeps: the
 message that wakes it costs ``wake`` more when the rank has a core to itself (an idle core must be
-woken). A node's ranks share its ``cores`` (fluid processor sharing among working and spinning
-ranks; work on a shared core is ``SHARING_LOSS`` less efficient; k ranks working at once slow
-each other down by 1 + contention·(k-1): shared memory bandwidth, or virtual CPUs that are not
-independent), so an algorithm that keeps few ranks busy at once (tree) is costed as it runs;
-``background`` runnable threads of other processes share the cores too (a loaded machine), and
+woken). A node's ranks share its ``cores`` (processor sharing among working and spinning ranks,
+at the busiest core's pace: 3 ranks on 2 cores run two to a core; work on a shared core is
+``SHARING_LOSS`` less efficient; k ranks working at once slow each other down by
+1 + contention·(k-1): shared memory bandwidth, or virtual CPUs that are not independent), so an
+algorithm that keeps few ranks busy at once (tree) is costed as it runs; ``background``
+runnable threads of other processes per rank share the cores too (a loaded machine), and
 every call costs each rank ``call_overhead`` of CPU. The call's time is the last rank's end
-(``calls`` > 1: calls back to back, as a benchmark batch runs them, time per call). Schedules are
+(``calls`` > 1: calls back to back, as a benchmark batch runs them, time per call). A rooted
+call (broadcast, reduce, gather, scatter) carries the communicator's lazy call check: every rank
+sends its 24-byte fingerprint to every other first and receives theirs last
+(``engine.guarded_program``). Schedules are
 built with 4-byte elements (auto sees bytes, not the dtype).
 
 Memory by working set (``LinkModel.memory``, measured by ``minicomm.tuning.links.
 measure_memory``): δ, γ and contention of the call's buffer size (a 64 KiB copy runs from the
-caches, several times faster than a 64 MiB one); with it, shm's β is exactly its two copies, 2δ
-(``COPY_TRANSPORTS``: the sender's copy into the ring, the receiver's copy or reduction out).
+caches, several times faster than a 64 MiB one); with it, shm's β is exactly its two copies
+(``COPY_TRANSPORTS``: the sender's copy into the ring, the receiver's copy or reduction out);
+each copy touches the user's buffer and the ring (``RING_BYTES``, cache-resident), so β is
+δ(working set) + δ(ring). ``single_copy``: from that many bytes, a non-reducing call's intra-node
+messages are one read by the receiver at the memory's large-working-set δ (shm's cross-memory
+attach), and the sender's step ends when it has been read. tcp's β is the fitted (measured) one
+plus how much slower than a cache-resident copy the kernel's copies of the call's buffer are.
 
 Link parameters (``LinkModel``): per link class (intra-node, inter-node) α (one exchange step), β
 (s/byte) and o (CPU per message operation); γ (in-place add, s/byte of array), δ (memcpy), wake,
@@ -70,7 +79,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from .algorithms import FAMILIES
-from .schedule import COLLECTIVES
+from .schedule import COLLECTIVES, ROOTED
 from .sim import engine
 from .sim.engine import HostLink, HostModel
 
@@ -92,6 +101,12 @@ SIM_MAX_RANKS = 16         # simulate up to this many ranks (a few ms per new si
 # A receiver sees a message piece by piece: shm publishes records of up to 1 MiB (transports/
 # shm.py CHUNK), a socket delivers what has arrived.
 PIPELINE_CHUNK = {"shm": 1 << 20}
+# A shm message crosses its pair's ring (transports/shm.py _default_ring_bytes: 4 MiB up to 16
+# peers): each of its two copies touches the user's buffer and the ring, which stays in cache.
+RING_BYTES = {"shm": 4 << 20}
+# shm's single-copy reads (transports/cma.py DEFAULT_MIN): a non-reducing call's messages this
+# large are read by the receiver straight from the sender's memory, where the kernel allows it.
+SINGLE_COPY_MIN = {"shm": 2 << 20}
 STREAM_CHUNK = 64 << 10
 # How long a waiting rank spins before it sleeps in the kernel: transports/progress.py SPIN_S
 # (mirrored, not imported: transports are not below the cost model).
@@ -125,7 +140,8 @@ class LinkModel:
     # bytes (``minicomm.tuning.links.measure_memory``); empty: δ, γ and contention above for all
     memory: Tuple[Tuple[float, float, float, float], ...] = ()
     call_overhead: float = 0.0   # CPU per call per rank (the communicator's Python), s
-    background: float = 0.0      # other processes' runnable threads on a node (a loaded machine)
+    single_copy: int = 0         # intra-node single-copy reads from this many bytes (0: none)
+    background: float = 0.0      # other runnable threads per rank of a node (a loaded machine)
     # (collective, world, topology, intra, inter) -> ((bytes, family), ...) sorted by bytes
     table: Dict[TableKey, Tuple[Tuple[int, str], ...]] = field(default_factory=dict, hash=False)
     _choices: Dict[Tuple, str] = field(default_factory=dict, compare=False, hash=False,
@@ -214,7 +230,7 @@ def memory_at(m: LinkModel, working_set: float) -> Tuple[float, float, float]:
 
 # Transports whose bytes cross memory as a copy in by the sender and a copy (or reduction) out by
 # the receiver, both user-space memcpy (shm's rings; inproc hands over the array and copies out
-# once, so it is not here): their β is 2 δ of the call's working set when the memory is measured.
+# once, so it is not here): their β is those two copies when the memory is measured (host_model).
 COPY_TRANSPORTS = ("shm",)
 
 
@@ -222,15 +238,24 @@ def host_model(m: LinkModel, working_set: float = 0.0) -> HostModel:
     """The simulator engine's machine for a LinkModel: ranks are processes on their node's cores
     (minicomm.sim.engine.run_host), with this model's α, β, o per link class, γ, δ, wake,
     contention, cores and spin. With a measured memory table (``LinkModel.memory``) δ, γ and
-    contention are those of the call's working set, and a copying transport's β is 2 δ
-    (``COPY_TRANSPORTS``: copy-in by the sender, copy-out by the receiver)."""
+    contention are those of the call's working set, and a copying transport's β is its two
+    copies (``COPY_TRANSPORTS``: copy-in by the sender, copy-out by the receiver, each between
+    the user's buffer and the cache-resident ring: δ(working set) + δ(ring))."""
     key = (m, working_set if m.memory else 0.0)
     hm = _host_models.get(key)
     if hm is None:
         delta, gamma, contention = memory_at(m, working_set)
 
         def beta(kind: str, fitted: float) -> float:
-            return 2 * delta if m.memory and kind in COPY_TRANSPORTS else fitted
+            if m.memory and kind == "tcp":
+                # the kernel copies in and out of socket buffers: β was measured on small, cached
+                # buffers, and a large buffer's copies run at its working set's δ
+                return fitted + delta - memory_at(m, 0)[0]
+            if not (m.memory and kind in COPY_TRANSPORTS):
+                return fitted
+            # copy-in and copy-out each touch the user's buffer (its working set) and the ring
+            ring = memory_at(m, min(working_set, RING_BYTES.get(kind, working_set)))[0]
+            return delta + ring
         hm = HostModel(
             HostLink(m.alpha_intra, beta(m.intra, m.beta_intra), m.overhead_intra,
                      PIPELINE_CHUNK.get(m.intra, STREAM_CHUNK)),
@@ -238,7 +263,11 @@ def host_model(m: LinkModel, working_set: float = 0.0) -> HostModel:
                      PIPELINE_CHUNK.get(m.inter, STREAM_CHUNK)),
             gamma=gamma, delta=delta, wake=m.wake, contention=contention, cores=m.cores,
             spin=m.spin, sharing_loss=SHARING_LOSS, call_overhead=m.call_overhead,
-            background=m.background)
+            background=m.background,
+            single_min=m.single_copy if m.intra in COPY_TRANSPORTS else 0,
+            # the kernel pins and copies the remote pages one by one: no cache reuse, the
+            # memory's large-working-set speed whatever the call's size
+            single_beta=memory_at(m, math.inf)[0])
         if len(_host_models) > 256:
             _host_models.clear()
         _host_models[key] = hm
@@ -246,6 +275,22 @@ def host_model(m: LinkModel, working_set: float = 0.0) -> HostModel:
 
 
 _host_models: Dict[Tuple[LinkModel, float], HostModel] = {}
+
+
+# a rooted call's lazy call check: 3 int64 per rank to every other (communicator.py
+# _post_fingerprints), in ITEMSIZE elements
+FINGERPRINT_COUNT = 3 * 8 // ITEMSIZE
+_guarded_programs: Dict[int, Tuple[Any, Any]] = {}
+
+
+def _guarded(prog):
+    hit = _guarded_programs.get(id(prog))
+    if hit is None or hit[0] is not prog:
+        if len(_guarded_programs) > 256:
+            _guarded_programs.clear()
+        hit = _guarded_programs[id(prog)] = (prog, engine.guarded_program(prog,
+                                                                          FINGERPRINT_COUNT))
+    return hit[1]
 
 
 def schedule_time(collective: str, fam: str, p: int, count: int, topology: Tuple[int, ...],
@@ -256,6 +301,8 @@ def schedule_time(collective: str, fam: str, p: int, count: int, topology: Tuple
     benchmark's batch or a training loop does: a rank that finished its part of call k starts
     call k + 1, so calls overlap where the schedule lets them)."""
     prog = engine.program_for(collective, fam, p, count, 0, tuple(topology))
+    if collective in ROOTED:
+        prog = _guarded(prog)
     if calls > 1:
         prog = engine.repeat_program(prog, calls)
     working_set = engine.bytes_for_count(collective, count, p, itemsize)

@@ -283,10 +283,41 @@ def _try_symmetry(build, p: int, node_map: Tuple[int, ...]) -> Optional[Program]
     return None
 
 
+def _matched(p: int, first: np.ndarray, copy: np.ndarray, red: np.ndarray, src: np.ndarray,
+             dst: np.ndarray, count: np.ndarray, reduce: np.ndarray, send_step: np.ndarray,
+             recv_step: np.ndarray, recv_key: np.ndarray) -> Program:
+    """A Program of messages already matched to their receives (no FIFO matching): message i
+    goes from ``src[i]`` (sent by step ``send_step[i]``, messages given in op order) to
+    ``dst[i]`` (received by ``recv_step[i]``; receives of one step in ``recv_key`` order)."""
+    so = np.argsort(send_step, kind="stable")
+    src, dst, count, reduce = src[so], dst[so], count[so], reduce[so]
+    send_step, recv_step, recv_key = send_step[so], recv_step[so], recv_key[so]
+    S = int(first[-1])
+    ptr = np.zeros(S + 1, dtype=np.int64)
+    np.cumsum(np.bincount(send_step, minlength=S), out=ptr[1:])
+    recv_order = np.lexsort((recv_key, recv_step)).astype(np.int64)
+    rptr = np.zeros(S + 1, dtype=np.int64)
+    np.cumsum(np.bincount(recv_step, minlength=S), out=rptr[1:])
+    return Program(size=p, rank_first=first,
+                   step_rank=np.repeat(np.arange(p, dtype=np.int64), np.diff(first)),
+                   step_copy=copy.astype(np.float64), step_reduce=red.astype(np.float64),
+                   msg_src=src.astype(np.int64), msg_dst=dst.astype(np.int64),
+                   msg_count=count.astype(np.float64), msg_reduce=reduce.astype(bool),
+                   msg_send_step=send_step.astype(np.int64),
+                   msg_recv_step=recv_step.astype(np.int64), send_ptr=ptr,
+                   recv_order=recv_order, recv_ptr=rptr)
+
+
+def _recv_rank(prog: Program) -> np.ndarray:
+    """Every message's position in its program's receive-op order."""
+    pos = np.empty(prog.messages, dtype=np.int64)
+    pos[prog.recv_order] = np.arange(prog.messages)
+    return pos
+
+
 def repeat_program(prog: Program, calls: int) -> Program:
     """The program of ``calls`` copies of ``prog`` run back to back by every rank (rank r's steps
-    of call 1, then of call 2, ...; messages FIFO-matched per pair as before, so call k's
-    messages meet call k's receives)."""
+    of call 1, then of call 2, ...; call k's messages meet call k's receives)."""
     if calls < 1:
         raise ValueError(f"calls must be >= 1, got {calls}")
     if calls == 1:
@@ -303,23 +334,45 @@ def repeat_program(prog: Program, calls: int) -> Program:
         return first[r] + c * nsteps[r] + local[steps]
     order = np.argsort(np.concatenate([new_step(np.arange(prog.steps), c)
                                        for c in range(calls)]), kind="stable")
-    copy = np.tile(prog.step_copy, calls)[order]
-    red = np.tile(prog.step_reduce, calls)[order]
-    recv_ops = prog.recv_order          # message ids in receive-op order
-    cat = np.concatenate
-    s_step = cat([new_step(prog.msg_send_step, c) for c in range(calls)])
-    r_step = cat([new_step(prog.msg_recv_step[recv_ops], c) for c in range(calls)])
-    so = np.argsort(s_step, kind="stable")     # sends and receives laid out by their step
-    ro = np.argsort(r_step, kind="stable")
-    out = _program(p, first, copy, red, np.tile(prog.msg_src, calls)[so],
-                   np.tile(prog.msg_dst, calls)[so], s_step[so],
-                   np.tile(prog.msg_count, calls)[so],
-                   np.tile(prog.msg_dst[recv_ops], calls)[ro],
-                   np.tile(prog.msg_src[recv_ops], calls)[ro], r_step[ro],
-                   np.tile(prog.msg_count[recv_ops], calls)[ro],
-                   np.tile(prog.msg_reduce[recv_ops], calls)[ro])
+    cat, tile, M = np.concatenate, np.tile, prog.messages
+    out = _matched(p, first, tile(prog.step_copy, calls)[order],
+                   tile(prog.step_reduce, calls)[order], tile(prog.msg_src, calls),
+                   tile(prog.msg_dst, calls), tile(prog.msg_count, calls),
+                   tile(prog.msg_reduce, calls),
+                   cat([new_step(prog.msg_send_step, c) for c in range(calls)]),
+                   cat([new_step(prog.msg_recv_step, c) for c in range(calls)]),
+                   cat([_recv_rank(prog) + c * M for c in range(calls)]))
     out.derived_by = prog.derived_by
     out.calls = prog.calls * calls
+    return out
+
+
+def guarded_program(prog: Program, count: int) -> Program:
+    """``prog`` with the communicator's lazy call check around it (rooted collectives): every
+    rank first sends ``count`` elements to every other rank (its call's fingerprint, eager),
+    runs the call, and ends by receiving every other rank's fingerprint (communicator.py
+    ``_post_fingerprints``: the data moves at once; the call returns when all have arrived)."""
+    p = prog.size
+    if p < 2:
+        return prog
+    nsteps = np.diff(prog.rank_first)
+    first = np.zeros(p + 1, dtype=np.int64)
+    np.cumsum(nsteps + 2, out=first[1:])
+    moved = first[prog.step_rank] + 1 + (np.arange(prog.steps) - prog.rank_first[prog.step_rank])
+    S = int(first[-1])
+    copy, red = np.zeros(S), np.zeros(S)
+    copy[moved], red[moved] = prog.step_copy, prog.step_reduce
+    a, b = np.nonzero(~np.eye(p, dtype=bool))        # fingerprint a -> b, every ordered pair
+    M = prog.messages
+    out = _matched(p, first, copy, red, np.concatenate([a, prog.msg_src]),
+                   np.concatenate([b, prog.msg_dst]),
+                   np.concatenate([np.full(len(a), float(count)), prog.msg_count]),
+                   np.concatenate([np.zeros(len(a), bool), prog.msg_reduce]),
+                   np.concatenate([first[a], moved[prog.msg_send_step]]),
+                   np.concatenate([first[b + 1] - 1, moved[prog.msg_recv_step]]),
+                   np.concatenate([np.arange(len(a)) + M, _recv_rank(prog)]))
+    out.derived_by = prog.derived_by
+    out.calls = prog.calls
     return out
 
 
@@ -671,7 +724,13 @@ class HostModel:
     sharing_loss: float = 1.0   # work on a shared core runs at share / (1 + loss (1 - share))
     call_overhead: float = 0.0  # CPU of a rank at the start of every call (argument checks,
                                 # plan lookup, sequence tags: the communicator's Python)
-    background: float = 0.0     # other processes' runnable threads per node, sharing its cores
+    background: float = 0.0     # runnable threads besides the ranks, per rank of a node (its
+                                # transport's helpers, other jobs), sharing the node's cores
+    # single copy (shm over cross-memory attach): an intra-node message of at least this many
+    # bytes of a call that reduces nothing is read by its receiver straight from the sender's
+    # buffer, ``single_beta`` s/byte, the sender paying only o (0: never)
+    single_min: int = 0
+    single_beta: float = 0.0
 
 
 def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int = 4) -> RunStats:
@@ -685,11 +744,15 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
     receive max(β/2, γ): it reduces straight out of the landing memory), the last piece no
     earlier than the sender copied it in. A waiting rank spins for ``spin``, then sleeps: the
     message that wakes it costs ``wake`` more when the rank has a core to itself. A node's ranks
-    share its ``cores`` (fluid processor sharing among working and spinning ranks; work on a
-    shared core is ``sharing_loss`` less efficient; k ranks working at once slow each other down
-    by 1 + contention (k - 1)); ``background`` other runnable threads share the cores too (a
-    loaded machine). Every call (``prog.calls`` of them back to back) costs each rank
-    ``call_overhead`` of CPU at its start. The last rank's end is the time of all calls."""
+    share its ``cores`` (processor sharing among working and spinning ranks at the busiest
+    core's pace, ceil(ranks / cores) to a core; work on a shared core is ``sharing_loss`` less
+    efficient; k ranks working at once slow each other down by 1 + contention (k - 1));
+    ``background`` other runnable threads per rank share the cores too (a loaded machine). Every call (``prog.calls`` of them back to back) costs each rank
+    ``call_overhead`` of CPU at its start. Single copy (``single_min``): in a call that reduces
+    nothing, an intra-node message that large costs its sender o and its receiver o plus
+    ``single_beta`` per byte, readable as soon as it is posted; the sender's step ends only
+    once it has been read (its buffer is in use until then). The last rank's end is the time
+    of all calls."""
     p = prog.size
     if len(node_of) != p:
         raise ValueError(f"node map names {len(node_of)} ranks, not {p}")
@@ -698,6 +761,10 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
     for hl in (hm.intra, hm.inter):
         lat = max(0.0, hl.alpha - 3 * hl.overhead)
         links.append((hl.overhead, lat, hl.beta / 2, hl.beta / 2, hl.chunk))
+    # link class 2: the single-copy read (the sender publishes its buffer's address; the whole
+    # message is readable at once, so ``chunk`` is unbounded)
+    links.append((links[0][0], links[0][1], 0.0, hm.single_beta, 1 << 62))
+    single = hm.single_min > 0 and not (prog.msg_reduce.any() or prog.step_reduce.any())
     nodes: Dict[Any, int] = {}
     for t in node_of:
         nodes[t] = nodes.get(t, 0) + 1
@@ -706,12 +773,15 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
     shared = {n: (hm.cores or k) < k for n, k in nodes.items()}
     M = prog.messages
     src, dst = prog.msg_src.tolist(), prog.msg_dst.tolist()
-    mlink = [0 if node_of[a] == node_of[b] else 1 for a, b in zip(src, dst)]
     mbytes = (prog.msg_count * itemsize).tolist()
+    mlink = [(2 if single and nb >= hm.single_min else 0) if node_of[a] == node_of[b] else 1
+             for a, b, nb in zip(src, dst, mbytes)]
     mreduce = prog.msg_reduce.tolist()
     first = [math.inf] * M          # when the message's first piece / last piece is visible
     last = [math.inf] * M
     exists = [False] * M            # its sender has begun the step that sends it
+    read = [math.inf] * M           # when its receiver has it all (a single-copy send ends then)
+    held: List[List[int]] = [[] for _ in range(p)]   # the step's single-copy sends, unread
     send_ptr, recv_ptr = prog.send_ptr.tolist(), prog.recv_ptr.tolist()
     recv_order = prog.recv_order.tolist()
     copy_b = (prog.step_copy * itemsize).tolist()
@@ -748,6 +818,8 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
         for m in range(send_ptr[s], send_ptr[s + 1]):
             o, lat, bs, br, chunk = links[mlink[m]]
             exists[m] = True
+            if mlink[m] == 2:
+                held[r].append(m)
             head = min(mbytes[m], chunk) * bs
             items.append(("cpu", o + head, ("first", m)))
             items.append(("cpu", mbytes[m] * bs - head, ("last", m)))
@@ -777,10 +849,15 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
                 per = max(br, g) if mreduce[m] else br
                 tail = min(mbytes[m], chunk) * per
                 todo[r] = [("cpu", o + mbytes[m] * per - tail, None), ("last", m, None),
-                           ("cpu", tail, None)]
+                           ("cpu", tail, ("read", m))]
                 continue
             if recvs[r]:
                 waiting[r], wait_since[r] = ("first", None), now
+                return
+            while held[r] and read[held[r][-1]] <= now:
+                held[r].pop()
+            if held[r]:                  # a single-copy send completes once it has been read
+                waiting[r], wait_since[r] = ("read", held[r][-1]), now
                 return
             begin_step(r)
             return
@@ -788,18 +865,26 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
     def finish(stamp: Any) -> None:
         if stamp is not None:
             field_, m = stamp
+            if field_ == "read":
+                read[m] = now
+                return
             (first if field_ == "first" else last)[m] = now + links[mlink[m]][1]
 
     def satisfied(r: int) -> bool:
         kind, m = waiting[r]
         if kind == "last":
             return last[m] <= now
+        if kind == "read":
+            return read[m] <= now
         return any(exists[x] and first[x] <= now for x in recvs[r])
 
     def pending_times(r: int):
         kind, m = waiting[r]
         if kind == "last":
             yield last[m]
+            return
+        if kind == "read":
+            yield read[m]
             return
         for x in recvs[r]:
             if exists[x]:
@@ -837,7 +922,11 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
                 busy[node_of[r]] += 1
         rate = {}
         for n in nodes:
-            share = min(1.0, cores[n] / (busy[n] + hm.background)) if busy[n] else 1.0
+            # the ranks' pace is the busiest core's: ceil(busy / cores) ranks time-slice it
+            # (the scheduler places whole processes; 3 ranks on 2 cores run two to a core),
+            # and other runnable threads take their share of every core
+            share = min(1.0, 1.0 / (-(-busy[n] // cores[n]) + hm.background * nodes[n]
+                                    / cores[n])) if busy[n] else 1.0
             rate[n] = share / (1 + hm.sharing_loss * (1 - share)) \
                 / (1 + hm.contention * max(0, min(working[n], cores[n]) - 1))
         nxt = math.inf

@@ -33,7 +33,10 @@ MAX_CALLS = 4           # back-to-back calls simulated per row (the steady state
 FIT_ITERATIONS = 12
 
 
-FITTED = ("overhead", "latency", "background", "beta")
+# Fitted to the probe sweeps: o, latency and (not for a copying transport, whose β is its
+# memory's) β. ``background`` (other runnable threads) stays 0: on a quiet machine the ranks are
+# alone, and a fitted one also slows every large copy, which β (tcp) or δ (shm) already price.
+FITTED = ("overhead", "latency", "beta")
 START = {"overhead": 3e-6, "latency": 10e-6, "call_overhead": 0.0, "background": 0.0,
          "beta": 1 / 2e9}
 STEP = {"overhead": 1e-6, "latency": 5e-6, "call_overhead": 5e-6, "background": 0.2,
@@ -52,7 +55,10 @@ def _link_model(kind: str, th: Dict[str, float], wake: float, cores: int,
                           memory=tuple((float(r[0]), float(r[1]), float(r[2]), 0.0)
                                        for r in memory),
                           call_overhead=th.get("call_overhead", 0.0),
-                          background=th.get("background", 0.0))
+                          background=th.get("background", 0.0),
+                          # the runs are recorded with the transports' defaults: shm reads
+                          # large messages of non-reducing calls single-copy (cma.py)
+                          single_copy=cost.SINGLE_COPY_MIN.get(kind, 0))
 
 
 def run_model(run: Dict[str, Any]) -> cost.LinkModel:
@@ -81,7 +87,7 @@ def fit_links(probe_rows: Sequence[Dict[str, Any]], kind: str, memory: Sequence[
               fit: Sequence[str] = FITTED) -> Dict[str, float]:
     """The host machine's per-message CPU cost o, latency, per-call CPU cost, background load
     (other runnable threads sharing the cores) and β (s/byte; not in ``fit`` for shm, whose β
-    is 2δ by the model) of one link, by least squares on the relative residuals pred/meas - 1
+    is its two copies by the model) of one link, by least squares on the relative residuals pred/meas - 1
     of the probe rows, predicted through the engine (Gauss-Newton, ``FIT_ITERATIONS`` steps,
     every value kept >= its floor). Values not fitted stay at ``start``'s."""
     import numpy as np
@@ -138,29 +144,44 @@ def _merged_rows(groups: Sequence[Sequence[Dict[str, Any]]]) -> List[Dict[str, A
     return list(out.values())
 
 
+def _merged_memory(runs: Sequence[Dict[str, Any]]) -> List[List[float]]:
+    import statistics
+    mems = [run["memory"] for run in runs]
+    return [[mems[0][i][0], min(m[i][1] for m in mems), min(m[i][2] for m in mems),
+             statistics.median(m[i][3] for m in mems)] for i in range(len(mems[0]))]
+
+
 def merge_rounds(raw: Dict[str, Any], fit: bool = True) -> List[Dict[str, Any]]:
-    """One cell per (transport, world size): the rounds' probe and measured rows merged
+    """One cell per (transport, world size): the rounds' measured rows merged
     (``_merged_rows``), the memory table's δ and γ the fastest over rounds and its contention
-    their median, wake the median; then the link fitted to the merged probe rows."""
+    their median, wake the median. The link is one per transport: every run's probe is the same
+    two-rank sweep, so all of a transport's probes (every world size and round) are merged and
+    the link fitted once to them (one noisy sweep cannot skew one cell's fit)."""
     import statistics
     cells: Dict[Tuple[str, int], List[Dict[str, Any]]] = {}
+    by_transport: Dict[str, List[Dict[str, Any]]] = {}
     for run in raw["runs"]:
         cells.setdefault((run["transport"], int(run["ranks"])), []).append(run)
+        by_transport.setdefault(run["transport"], []).append(run)
+    links: Dict[str, Dict[str, float]] = {}
+    if fit:
+        for t, runs in sorted(by_transport.items()):
+            names = [f for f in FITTED if f != "beta" or t not in cost.COPY_TRANSPORTS]
+            ws = runs[0]["world_start_links"]["links"][t]
+            links[t] = fit_links(_merged_rows([run["probe"] for run in runs]), t,
+                                 _merged_memory(runs),
+                                 statistics.median(run.get("wake", 0.0) for run in runs),
+                                 int(runs[0].get("cores", 0)), {"beta": ws["beta"]}, names)
     out = []
     for (t, n), runs in sorted(cells.items()):
-        mems = [run["memory"] for run in runs]
-        memory = [[mems[0][i][0], min(m[i][1] for m in mems), min(m[i][2] for m in mems),
-                   statistics.median(m[i][3] for m in mems)] for i in range(len(mems[0]))]
         cell = {"transport": t, "ranks": n, "cores": int(runs[0].get("cores", 0)),
-                "memory": memory, "wake": statistics.median(run.get("wake", 0.0) for run in runs),
+                "memory": _merged_memory(runs),
+                "wake": statistics.median(run.get("wake", 0.0) for run in runs),
                 "probe": _merged_rows([run["probe"] for run in runs]),
                 "rows": _merged_rows([run["rows"] for run in runs]),
                 "load": [(run["load_before"][0], run["load_after"][0]) for run in runs]}
         if fit:
-            names = [f for f in FITTED if f != "beta" or t not in cost.COPY_TRANSPORTS]
-            ws = runs[0]["world_start_links"]["links"][t]
-            cell["links"] = fit_links(cell["probe"], t, memory, cell["wake"], cell["cores"],
-                                      {"beta": ws["beta"]}, names)
+            cell["links"] = links[t]
         out.append(cell)
     return out
 
