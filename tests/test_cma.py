@@ -195,3 +195,21 @@ def test_a_sender_killed_mid_job_is_a_peer_failure_not_a_hang():
     with pytest.raises(mc.SpawnError) as ei:
         mc.spawn(_killed_while_read, 2, transport="shm", timeout=60)
     assert "rank 1" in str(ei.value)
+
+
+def _model_single_copy(comm):
+    return comm.link_model.single_copy
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_the_cost_model_prices_single_copy_only_where_it_is_on(mode, monkeypatch):
+    """auto's model (minicomm.cost) knows the world's shm pairs read each other single-copy,
+    so it prices a large non-reducing call's messages as one read; with MINICOMM_CMA=0 (or a
+    kernel that forbids it) it prices the two copies through the ring."""
+    if mode == "off":
+        monkeypatch.setenv(cma.ENV, "0")
+    elif cma.disabled() is not None:
+        pytest.skip(f"single copy is off here: {cma.disabled()}")
+    got = mc.spawn(_model_single_copy, 3, transport="shm", timeout=60)
+    from minicomm import cost
+    assert got == [cost.SINGLE_COPY_MIN["shm"] if mode == "on" else 0] * 3

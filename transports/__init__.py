@@ -136,6 +136,11 @@ class RoutedTransport(Transport):
         self._by_peer: Dict[int, Transport] = {p: transports[k] for k, ps in routes.items()
                                                for p in ps}
 
+    def single_copy_peers(self) -> List[int]:
+        """The peers our large sends reach single-copy, over whichever transport reaches them."""
+        return [p for t in self._transports.values()
+                for p in (t.single_copy_peers() if hasattr(t, "single_copy_peers") else ())]
+
     def _route(self, peer: int) -> Transport:
         try:
             return self._by_peer[peer]

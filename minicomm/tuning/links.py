@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from ..communicator import Communicator
-from ..cost import DELTA, LinkModel, schedule_time, table_index
+from ..cost import DELTA, SINGLE_COPY_MIN, LinkModel, schedule_time, table_index
 from ..settings import env_flag
 from .cache import _LINK_FIELDS, _MACHINE_FIELDS, load_links, load_table, save_links
 
@@ -224,6 +224,14 @@ def agree_link_model(comm, intra: str, inter: str) -> LinkModel:
     values: Dict[str, float] = {}
     if want[0]:
         values = _measure_links(comm, near, far, intra, inter)
+    # the model prices shm's single-copy reads only where every rank reaches every peer on its
+    # node that way (the kernel may forbid them: transports/cma.py)
+    reach = getattr(comm.transport, "single_copy_peers", None)
+    peers = set(reach()) if reach is not None else set()
+    local = [comm.group[r] for r in range(size) if r != rank and topo[r] == topo[rank]]
+    single = np.array([int(intra in SINGLE_COPY_MIN and all(r in peers for r in local))],
+                      dtype=np.int64)
+    single = comm.allreduce(single, op="min", algorithm="tree")
     if rank == 0:
         default = LinkModel.for_transports(intra, inter)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -239,6 +247,7 @@ def agree_link_model(comm, intra: str, inter: str) -> LinkModel:
     agreed = json.loads(comm.broadcast(data, root=0, algorithm="tree").tobytes().decode())
     m = LinkModel(**{f: agreed[f] for f in _AGREED}, intra=intra, inter=inter,
                   spin=comm.link_model.spin,
+                  single_copy=SINGLE_COPY_MIN[intra] if single[0] else 0,
                   table=table_index(agreed["table"]))
     comm._log(f"links: intra {intra} α {m.alpha_intra * 1e6:.1f} us o "
               f"{m.overhead_intra * 1e6:.1f} us {1e-9 / m.beta_intra:.2f} GB/s; inter {inter} "
