@@ -90,16 +90,20 @@ def test_processes_measure_once_then_use_the_cache(cache, monkeypatch):
     assert set(saved["links"]) == {"shm"} and set(tuning.cache._MACHINE_FIELDS) <= set(saved)
     model = first[0][0]
     assert model.alpha_intra == saved["links"]["shm"]["alpha"] and model.cores >= 1
+    # the memory by working set is measured too, its contention left out (as calibrated)
+    assert [list(r) for r in model.memory] == [r[:3] + [0.0] for r in saved["memory"]]
     assert all(r == first[0] for r in first)                  # every rank: rank 0's model
     # a second job reads the cache instead of measuring (the file is not rewritten)
     stamp = os.stat(tuning.links_path()).st_mtime_ns
     second = mc.spawn(lambda c: c.link_model, world_size=2, transport="shm")
     assert second[0] == model and os.stat(tuning.links_path()).st_mtime_ns == stamp
-    # MINICOMM_TUNE=0: the constants, and nothing is measured or written
+    # MINICOMM_TUNE=0: the constants, and nothing is measured or written (whether shm reads
+    # single-copy is the transport's fact, not a measurement)
     os.unlink(tuning.links_path())
     monkeypatch.setenv("MINICOMM_TUNE", "0")
     off = mc.spawn(lambda c: c.link_model, world_size=2, transport="shm")[0]
-    assert off == cost.LinkModel.for_transports("shm", "tcp", cores=off.cores)
+    assert off == cost.LinkModel.for_transports("shm", "tcp", cores=off.cores,
+                                                single_copy=off.single_copy)
     assert not os.path.exists(tuning.links_path())
 
 

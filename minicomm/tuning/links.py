@@ -224,18 +224,20 @@ def agree_link_model(comm, intra: str, inter: str) -> LinkModel:
     values: Dict[str, float] = {}
     if want[0]:
         values = _measure_links(comm, near, far, intra, inter)
-    # the model prices shm's single-copy reads only where every rank reaches every peer on its
-    # node that way (the kernel may forbid them: transports/cma.py)
-    reach = getattr(comm.transport, "single_copy_peers", None)
-    peers = set(reach()) if reach is not None else set()
-    local = [comm.group[r] for r in range(size) if r != rank and topo[r] == topo[rank]]
-    single = np.array([int(intra in SINGLE_COPY_MIN and all(r in peers for r in local))],
-                      dtype=np.int64)
-    single = comm.allreduce(single, op="min", algorithm="tree")
+
     if rank == 0:
         default = LinkModel.for_transports(intra, inter)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         payload: Dict[str, Any] = {f: values.get(f, getattr(default, f)) for f in _AGREED}
+        payload["memory"] = values.get("memory", [])
+        # the model prices shm's single-copy reads where rank 0's large sends reach every peer
+        # on its node that way (the kernel may forbid them: transports/cma.py); the ranks of
+        # one job share a user and a ptrace policy, so rank 0's view stands for every pair
+        reach = getattr(comm.transport, "single_copy_peers", None)
+        peers = set(reach()) if reach is not None else set()
+        local = [comm.group[r] for r in range(1, size) if topo[r] == topo[0]]
+        payload["single_copy"] = SINGLE_COPY_MIN.get(intra, 0) if all(
+            r in peers for r in local) else 0
         payload["cores"] = int(cores or 0)
         payload["table"] = [e for e in load_table() if e["intra"] == intra and e["inter"] == inter]
         data = np.frombuffer(json.dumps(payload).encode(), dtype=np.uint8)
@@ -247,7 +249,8 @@ def agree_link_model(comm, intra: str, inter: str) -> LinkModel:
     agreed = json.loads(comm.broadcast(data, root=0, algorithm="tree").tobytes().decode())
     m = LinkModel(**{f: agreed[f] for f in _AGREED}, intra=intra, inter=inter,
                   spin=comm.link_model.spin,
-                  single_copy=SINGLE_COPY_MIN[intra] if single[0] else 0,
+                  single_copy=int(agreed["single_copy"]),
+                  memory=tuple(tuple(float(x) for x in row) for row in agreed["memory"]),
                   table=table_index(agreed["table"]))
     comm._log(f"links: intra {intra} α {m.alpha_intra * 1e6:.1f} us o "
               f"{m.overhead_intra * 1e6:.1f} us {1e-9 / m.beta_intra:.2f} GB/s; inter {inter} "
@@ -277,10 +280,14 @@ def _measure_links(comm, near: Optional[int], far: Optional[int], intra: str,
     each link (the peers learn from rank 0 what to probe). Returns {} on other ranks."""
     rank = comm.rank
     cache = load_links() if rank == 0 else {"links": {}}
+    out: Dict[str, Any] = {}
+    dirty = False
     if rank == 0 and not ("gamma" in cache and "delta" in cache):
         cache["gamma"], cache["delta"] = measure_local()
-    out: Dict[str, float] = {}
-    dirty = False
+    if rank == 0 and "memory" not in cache:
+        # δ and γ by working set (~0.5 s, once per machine): what prices shm's copies, as in
+        # the calibrated model (minicomm.tuning.calibration)
+        cache["memory"], dirty = [list(row) for row in measure_memory()], True
     for peer, kind, side, pair_id in ((near, intra, "intra", _PAIR_IDS[0]),
                                       (far, inter, "inter", _PAIR_IDS[1])):
         if peer is None or rank not in (0, peer):
@@ -316,6 +323,9 @@ def _measure_links(comm, near: Optional[int], far: Optional[int], intra: str,
     for f in _MACHINE_FIELDS:
         if f in cache:
             out[f] = cache[f]
+    # the two-copier contention of the memory rows is not used: a loaded machine's other jobs
+    # would read as contention (the calibrated model leaves it out too)
+    out["memory"] = [[r[0], r[1], r[2], 0.0] for r in cache["memory"]]
     if dirty:
         try:
             save_links(cache)
