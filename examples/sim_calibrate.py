@@ -116,7 +116,8 @@ def print_table(raw):
         beta = ("δ(ws) + δ(ring)" if c["transport"] in cost.COPY_TRANSPORTS
                 else f"{1e-9 / ln['beta']:.2f} GB/s")
         print(f"#   {c['transport']} n={c['ranks']}: o {ln['overhead'] * 1e6:.1f} us, latency "
-              f"{ln['latency'] * 1e6:.1f} us, β {beta}; wake "
+              f"{ln['latency'] * 1e6:.1f} us, executor +{ln['exec_overhead'] * 1e6:.1f} us per "
+              f"message op, β {beta}; wake "
               f"{c['wake'] * 1e6:.0f} us; δ {1e-9 / mem[0][1]:.0f}..{1e-9 / mem[-1][1]:.1f} GB/s "
               f"(64K..64M); load average "
               + ", ".join(f"{a:.2f}->{b:.2f}" for a, b in c["load"]))

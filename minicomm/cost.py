@@ -107,6 +107,11 @@ RING_BYTES = {"shm": 4 << 20}
 # shm's single-copy reads (transports/cma.py DEFAULT_MIN): a non-reducing call's messages this
 # large are read by the receiver straight from the sender's memory, where the kernel allows it.
 SINGLE_COPY_MIN = {"shm": 2 << 20}
+# The small-message path (minicomm.smallpath) runs a call whose every message is at most this
+# large (the transport's ``small_bytes``: shm's EAGER) without the executor's request objects;
+# other calls, every rooted one (its fingerprints are guarded receives) and every call of a
+# world over several transports run through the executor (``LinkModel.exec_overhead``).
+SMALL_BYTES = {"shm": 16 << 10}
 STREAM_CHUNK = 64 << 10
 # How long a waiting rank spins before it sleeps in the kernel: transports/progress.py SPIN_S
 # (mirrored, not imported: transports are not below the cost model).
@@ -141,6 +146,7 @@ class LinkModel:
     memory: Tuple[Tuple[float, float, float, float], ...] = ()
     call_overhead: float = 0.0   # CPU per call per rank (the communicator's Python), s
     single_copy: int = 0         # intra-node single-copy reads from this many bytes (0: none)
+    exec_overhead: float = 0.0   # extra CPU per intra message op of an executor-run call, s
     background: float = 0.0      # other runnable threads per rank of a node (a loaded machine)
     # (collective, world, topology, intra, inter) -> ((bytes, family), ...) sorted by bytes
     table: Dict[TableKey, Tuple[Tuple[int, str], ...]] = field(default_factory=dict, hash=False)
@@ -263,7 +269,7 @@ def host_model(m: LinkModel, working_set: float = 0.0) -> HostModel:
                      PIPELINE_CHUNK.get(m.inter, STREAM_CHUNK)),
             gamma=gamma, delta=delta, wake=m.wake, contention=contention, cores=m.cores,
             spin=m.spin, sharing_loss=SHARING_LOSS, call_overhead=m.call_overhead,
-            background=m.background,
+            background=m.background, exec_overhead=m.exec_overhead,
             single_min=m.single_copy if m.intra in COPY_TRANSPORTS else 0,
             # the kernel pins and copies the remote pages one by one: no cache reuse, the
             # memory's large-working-set speed whatever the call's size
@@ -307,7 +313,20 @@ def schedule_time(collective: str, fam: str, p: int, count: int, topology: Tuple
         prog = engine.repeat_program(prog, calls)
     working_set = engine.bytes_for_count(collective, count, p, itemsize)
     hm = host_model(m, working_set)
-    return engine.run_host(prog, tuple(topology), hm, itemsize).time_s / max(1, calls)
+    return engine.run_host(prog, tuple(topology), hm, itemsize,
+                           executor=runs_executor(collective, prog, topology, m, itemsize)
+                           ).time_s / max(1, calls)
+
+
+def runs_executor(collective: str, prog, topology: Sequence[int], m: LinkModel,
+                  itemsize: int = ITEMSIZE) -> bool:
+    """Whether the communicator runs this call through the executor rather than the
+    small-message path (``SMALL_BYTES``): a rooted call, a world on several nodes (several
+    transports), a transport without the path, or a message above its limit."""
+    limit = SMALL_BYTES.get(m.intra, 0)
+    if collective in ROOTED or not limit or len(set(topology)) > 1:
+        return True
+    return bool(prog.messages) and float(prog.msg_count.max()) * itemsize > limit
 
 
 def simulate(scheds: Sequence[Sequence[Sequence[Any]]], topology: Sequence[int], m: LinkModel,

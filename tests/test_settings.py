@@ -118,12 +118,13 @@ def cache(tmp_path, monkeypatch):
     return tmp_path
 
 
-GOOD_LINK = {"alpha": 2e-6, "beta": 1e-10, "overhead": 1e-6}
+GOOD_LINK = {"alpha": 2e-6, "beta": 1e-10, "overhead": 1e-6, "exec_overhead": 3e-6}
 
 
 @pytest.mark.parametrize("field,value", [
     ("beta", 0), ("beta", -1e-9), ("beta", "nan"), ("beta", "inf"), ("alpha", -1e-6),
-    ("alpha", "nan"), ("alpha", "inf"), ("overhead", -1), ("beta", "fast"), ("beta", None)])
+    ("alpha", "nan"), ("alpha", "inf"), ("overhead", -1), ("beta", "fast"), ("beta", None),
+    ("exec_overhead", -1), ("exec_overhead", "nan")])
 def test_bad_link_cache_value_is_rejected_naming_file_and_field(cache, field, value):
     link = dict(GOOD_LINK)
     link[field] = float(value) if value in ("nan", "inf") else value
@@ -155,6 +156,15 @@ def test_good_link_cache_loads(cache):
     with open(tuning.links_path(), "w") as f:
         json.dump({"format": tuning.LINKS_FORMAT, "links": {"shm": GOOD_LINK}, "gamma": 1e-10}, f)
     assert tuning.load_links() == {"links": {"shm": GOOD_LINK}, "gamma": 1e-10}
+
+
+def test_a_link_cached_before_a_field_existed_is_measured_again_quietly(cache):
+    old = {k: v for k, v in GOOD_LINK.items() if k != "exec_overhead"}
+    with open(tuning.links_path(), "w") as f:
+        json.dump({"format": tuning.LINKS_FORMAT, "links": {"shm": old}, "gamma": 1e-10}, f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tuning.load_links() == {"links": {}, "gamma": 1e-10}
 
 
 def test_zero_beta_cache_does_not_fail_a_job(cache):

@@ -731,9 +731,13 @@ class HostModel:
     # buffer, ``single_beta`` s/byte, the sender paying only o (0: never)
     single_min: int = 0
     single_beta: float = 0.0
+    # extra CPU per intra-node message op of a call that runs through the executor (request
+    # objects, matching queues) instead of the small-message path (``run_host(executor=True)``)
+    exec_overhead: float = 0.0
 
 
-def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int = 4) -> RunStats:
+def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int = 4,
+             executor: bool = False) -> RunStats:
     """Time the program as processes on CPUs (the cost model ``algorithm="auto"`` uses for
     minicomm's own transports). Each rank works on a CPU or waits, and runs its steps as the
     executor does: local ops (Copy δ, Reduce γ per byte) and posting its receives (o each); its
@@ -748,7 +752,8 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
     core's pace, ceil(ranks / cores) to a core; work on a shared core is ``sharing_loss`` less
     efficient; k ranks working at once slow each other down by 1 + contention (k - 1));
     ``background`` other runnable threads per rank share the cores too (a loaded machine). Every call (``prog.calls`` of them back to back) costs each rank
-    ``call_overhead`` of CPU at its start. Single copy (``single_min``): in a call that reduces
+    ``call_overhead`` of CPU at its start; ``executor``: the call runs through the executor,
+    each intra-node message op costing ``exec_overhead`` more. Single copy (``single_min``): in a call that reduces
     nothing, an intra-node message that large costs its sender o and its receiver o plus
     ``single_beta`` per byte, readable as soon as it is posted; the sender's step ends only
     once it has been read (its buffer is in use until then). The last rank's end is the time
@@ -760,7 +765,9 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
     links = []
     for hl in (hm.intra, hm.inter):
         lat = max(0.0, hl.alpha - 3 * hl.overhead)
-        links.append((hl.overhead, lat, hl.beta / 2, hl.beta / 2, hl.chunk))
+        # a call run by the executor (not the small-message path) costs more per message op
+        o = hl.overhead + (hm.exec_overhead if executor and hl is hm.intra else 0.0)
+        links.append((o, lat, hl.beta / 2, hl.beta / 2, hl.chunk))
     # link class 2: the single-copy read (the sender publishes its buffer's address; the whole
     # message is readable at once, so ``chunk`` is unbounded)
     links.append((links[0][0], links[0][1], 0.0, hm.single_beta, 1 << 62))

@@ -83,8 +83,10 @@ def load_links(path: Optional[str] = None) -> Dict[str, Any]:
         for k, v in raw_links.items():
             if not isinstance(v, dict):
                 raise ValueError(f"links.{k}: expected an object, got {v!r}")
-            links[str(k)] = {f: _field(f"links.{k}.{f}", v.get(f), _POSITIVE[f])
-                             for f in _LINK_FIELDS}
+            entry = {f: _field(f"links.{k}.{f}", v.get(f), _POSITIVE[f])
+                     for f in _LINK_FIELDS if f in v or f not in _LATER_FIELDS}
+            if len(entry) == len(_LINK_FIELDS):   # else written before a field existed:
+                links[str(k)] = entry             # that link is measured again
         out: Dict[str, Any] = {"links": links}
         for k in _MACHINE_FIELDS:
             if k in obj:
@@ -101,10 +103,12 @@ def load_links(path: Optional[str] = None) -> Dict[str, Any]:
         return {"links": {}}
 
 
-_LINK_FIELDS = ("alpha", "beta", "overhead")
+_LINK_FIELDS = ("alpha", "beta", "overhead", "exec_overhead")
+_LATER_FIELDS = ("exec_overhead",)     # absent from older caches (not an error)
 _MACHINE_FIELDS = ("gamma", "delta", "wake", "contention")
 # per-byte costs divide (bandwidth = 1 / beta): they must be > 0; latencies may be 0
-_POSITIVE = {"alpha": False, "beta": True, "overhead": False, "gamma": True, "delta": True,
+_POSITIVE = {"alpha": False, "beta": True, "overhead": False, "exec_overhead": False,
+             "gamma": True, "delta": True,
              "wake": False, "contention": False}
 
 

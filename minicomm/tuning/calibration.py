@@ -33,16 +33,17 @@ MAX_CALLS = 4           # back-to-back calls simulated per row (the steady state
 FIT_ITERATIONS = 12
 
 
-# Fitted to the probe sweeps: o, latency and (not for a copying transport, whose β is its
-# memory's) β. ``background`` (other runnable threads) stays 0: on a quiet machine the ranks are
+# Fitted to the probe sweeps: o, latency, (not for a copying transport, whose β is its
+# memory's) β, and (only where the transport has a small-message path: the others run every
+# call through the executor, so o holds it) the executor's extra o. ``background`` (other runnable threads) stays 0: on a quiet machine the ranks are
 # alone, and a fitted one also slows every large copy, which β (tcp) or δ (shm) already price.
-FITTED = ("overhead", "latency", "beta")
+FITTED = ("overhead", "latency", "beta", "exec_overhead")
 START = {"overhead": 3e-6, "latency": 10e-6, "call_overhead": 0.0, "background": 0.0,
-         "beta": 1 / 2e9}
+         "beta": 1 / 2e9, "exec_overhead": 0.0}
 STEP = {"overhead": 1e-6, "latency": 5e-6, "call_overhead": 5e-6, "background": 0.2,
-        "beta": 1e-11}
+        "beta": 1e-11, "exec_overhead": 1e-6}
 FLOOR = {"overhead": 0.2e-6, "latency": 0.0, "call_overhead": 0.0, "background": 0.0,
-         "beta": 1e-12}
+         "beta": 1e-12, "exec_overhead": 0.0}
 
 
 def _link_model(kind: str, th: Dict[str, float], wake: float, cores: int,
@@ -56,6 +57,7 @@ def _link_model(kind: str, th: Dict[str, float], wake: float, cores: int,
                                        for r in memory),
                           call_overhead=th.get("call_overhead", 0.0),
                           background=th.get("background", 0.0),
+                          exec_overhead=th.get("exec_overhead", 0.0),
                           # the runs are recorded with the transports' defaults: shm reads
                           # large messages of non-reducing calls single-copy (cma.py)
                           single_copy=cost.SINGLE_COPY_MIN.get(kind, 0))
@@ -166,7 +168,9 @@ def merge_rounds(raw: Dict[str, Any], fit: bool = True) -> List[Dict[str, Any]]:
     links: Dict[str, Dict[str, float]] = {}
     if fit:
         for t, runs in sorted(by_transport.items()):
-            names = [f for f in FITTED if f != "beta" or t not in cost.COPY_TRANSPORTS]
+            names = [f for f in FITTED
+                     if not (f == "beta" and t in cost.COPY_TRANSPORTS)
+                     and not (f == "exec_overhead" and t not in cost.SMALL_BYTES)]
             ws = runs[0]["world_start_links"]["links"][t]
             links[t] = fit_links(_merged_rows([run["probe"] for run in runs]), t,
                                  _merged_memory(runs),

@@ -7,6 +7,7 @@ probes run collectives on the world's own transport; they start no process.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -18,7 +19,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from ..communicator import Communicator
-from ..cost import DELTA, SINGLE_COPY_MIN, LinkModel, schedule_time, table_index
+from ..cost import DELTA, SINGLE_COPY_MIN, SMALL_BYTES, LinkModel, schedule_time, table_index
 from ..settings import env_flag
 from .cache import _LINK_FIELDS, _MACHINE_FIELDS, load_links, load_table, save_links
 
@@ -56,7 +57,9 @@ def probe_link(pair, kind: str, gamma: float, delta: float, contention: float) -
     tree allreduce (two one-way hops): their differences cancel the per-call cost and give o and
     the latency (the prediction is linear in both). Then ``PROBE_BYTES`` through the same rhd
     allgather (both ranks copy at once) and tree allreduce (one copies at a time), less their
-    8-byte times: β by least squares (no less than δ/4: a byte is copied in and out)."""
+    8-byte times: β by least squares (no less than δ/4: a byte is copied in and out). Where the
+    transport has a small-message path, an 8-byte tree broadcast (rooted: run by the executor)
+    gives ``exec_overhead``, the executor's extra CPU per message op."""
     small = np.zeros(2, dtype=np.float32)
     large = np.zeros(PROBE_BYTES // 4, dtype=np.float32)
     one = _probe_min(lambda: pair.allgather(small, algorithm="rhd"), PROBE_REPS[0])
@@ -84,7 +87,20 @@ def probe_link(pair, kind: str, gamma: float, delta: float, contention: float) -
     slope = (np.array([grow(0, 1e-9), grow(2, 1e-9)]) - base) / 1e-9
     excess = np.array([big_x - one, big_h - hops]) - base
     beta = float(slope @ excess / (slope @ slope))
-    return {"alpha": 3 * o + lat, "beta": max(beta, delta / 4), "overhead": o}
+    # a fourth 8-byte call, rooted (tree broadcast: the executor and the fingerprint check):
+    # what a call run by the executor costs per message op beyond the small-message path
+    extra = 0.0
+    if kind in SMALL_BYTES:
+        rooted = _probe_min(lambda: pair.broadcast(small, algorithm="tree"), PROBE_REPS[0])
+        m0 = _probe_model(kind, o, lat, 0.0, 0.0, 0.0, contention)
+
+        def bcast(x: float) -> float:
+            return schedule_time("broadcast", "tree", 2, 2, (0, 0),
+                                 dataclasses.replace(m0, exec_overhead=x))
+        per = (bcast(1e-6) - bcast(0.0)) / 1e-6
+        extra = max(0.0, (rooted - bcast(0.0)) / per) if per > 0 else 0.0
+    return {"alpha": 3 * o + lat, "beta": max(beta, delta / 4), "overhead": o,
+            "exec_overhead": extra}
 
 
 def probe_contention(pair, reps: int = 5) -> float:
@@ -208,7 +224,7 @@ def _tune_enabled() -> bool:
 
 
 _AGREED = ("alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma", "delta",
-           "overhead_intra", "overhead_inter", "wake", "contention", "cores")
+           "overhead_intra", "overhead_inter", "wake", "contention", "cores", "exec_overhead")
 
 
 def agree_link_model(comm, intra: str, inter: str) -> LinkModel:
@@ -316,6 +332,10 @@ def _measure_links(comm, near: Optional[int], far: Optional[int], intra: str,
                 cache["wake"], dirty = wake, True
         if rank == 0:
             for f in _LINK_FIELDS:
+                if f == "exec_overhead":      # the small-message path is an intra-node one
+                    if side == "intra":
+                        out[f] = cache["links"][name][f]
+                    continue
                 out[f"{f}_{side}"] = cache["links"][name][f]
         pair.close()
     if rank != 0:
