@@ -182,7 +182,6 @@ def _assemble(ranks: Sequence[_RankArrays], p: int) -> Program:
 def _program(p, first, copy, red, s_rank, s_peer, s_step, s_count, r_rank, r_peer, r_step,
              r_count, r_reduce) -> Program:
     """FIFO-match sends to receives per ordered pair and lay the messages out by send step."""
-    S = int(first[-1])
     key_s = s_rank.astype(np.int64) * p + s_peer
     key_r = r_peer.astype(np.int64) * p + r_rank
     os_ = np.argsort(key_s, kind="stable")
@@ -205,22 +204,9 @@ def _program(p, first, copy, red, s_rank, s_peer, s_step, s_count, r_rank, r_pee
     # keep their op order too (``recv_order``)
     pos = np.empty(len(os_), dtype=np.int64)
     pos[os_] = np.arange(len(os_))
-    o_r = or_[pos]                                   # the receive matched to send i
-    msg_of_recv = np.empty(len(or_), dtype=np.int64)
-    msg_of_recv[o_r] = np.arange(len(o_r))          # message id of every receive op
-    send_step = s_step.astype(np.int64)
-    ptr = np.zeros(S + 1, dtype=np.int64)
-    np.cumsum(np.bincount(send_step, minlength=S), out=ptr[1:])
-    rptr = np.zeros(S + 1, dtype=np.int64)
-    np.cumsum(np.bincount(r_step, minlength=S), out=rptr[1:])
-    return Program(size=p, rank_first=first,
-                   step_rank=np.repeat(np.arange(p, dtype=np.int64), np.diff(first)),
-                   step_copy=copy.astype(np.float64), step_reduce=red.astype(np.float64),
-                   msg_src=s_rank.astype(np.int64), msg_dst=s_peer.astype(np.int64),
-                   msg_count=s_count.astype(np.float64),
-                   msg_reduce=r_reduce[o_r].astype(bool), msg_send_step=send_step,
-                   msg_recv_step=r_step[o_r].astype(np.int64), send_ptr=ptr,
-                   recv_order=msg_of_recv, recv_ptr=rptr)
+    o_r = or_[pos]                                   # the receive op matched to send i
+    return _matched(p, first, copy, red, s_rank, s_peer, s_count, r_reduce[o_r],
+                    s_step.astype(np.int64), r_step[o_r].astype(np.int64), o_r)
 
 
 def compile_schedules(scheds: Sequence[Any]) -> Program:
