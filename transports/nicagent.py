@@ -295,12 +295,14 @@ class NicAgent:
         return True
 
     def _refuse(self, c: Conn, reason: str) -> None:
-        """The peer broke the protocol: end its link (it sees EOF, so it learns too)."""
+        """The peer broke the protocol: end its link (it sees EOF, so it learns too). The
+        reason is recorded before the socket is shut: a write by another thread in between
+        would otherwise fail with EPIPE and be taken for the cause."""
+        self._lost(c, f"its {self.kind} agent {reason}: the link is closed")
         try:
             c.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self._lost(c, f"its {self.kind} agent {reason}: the link is closed")
 
     def _lost(self, c: Conn, reason: str) -> None:
         if c.closed is None:

@@ -113,3 +113,37 @@ def test_protocol_breaking_frames_end_the_link_by_name(case):
     # the target names what was wrong with the frame, and its agent still serves
     (kind, text), alive, _ = out[0]
     assert "frame" in text and alive, text
+
+
+def test_a_refused_link_records_its_reason_before_the_socket_is_shut():
+    """The agent refuses a protocol-breaking frame by shutting the link. Another thread that
+    writes to it in between gets EPIPE; the reason recorded (and reported to every waiter) must
+    be the frame's, so it is recorded before the shutdown (this race failed 2 of 8 runs of the
+    test above)."""
+    import socket as _socket
+    import types
+
+    from minicomm.transports import nicagent
+    a, b = _socket.socketpair()
+    seen = []
+
+    class Watched:
+        """The socket as the agent sees it: its shutdown also notes what was recorded."""
+        def fileno(self):
+            return a.fileno()
+
+        def shutdown(self, how):
+            seen.append(("shutdown", conn.closed))
+            a.shutdown(how)
+
+    conn = nicagent.Conn(1, a)
+    conn.sock = Watched()
+    agent = types.SimpleNamespace(
+        kind="rdma", _ep=types.SimpleNamespace(unregister=lambda fd: None),
+        handler=types.SimpleNamespace(on_closed=lambda peer, r: seen.append(("closed", r))))
+    agent._lost = lambda c, r: nicagent.NicAgent._lost(agent, c, r)
+    nicagent.NicAgent._refuse(agent, conn, "sent a frame of unknown kind 99 (op 1)")
+    assert seen[0][0] == "closed" and "frame" in seen[0][1]
+    assert seen[1][0] == "shutdown" and "frame" in seen[1][1]
+    a.close()
+    b.close()
