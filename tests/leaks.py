@@ -1,7 +1,9 @@
 """The check every real-process test module shares: after each test, no /dev/shm segment of the
 job and no rank process of this test process is left (import ``nothing_left_behind``)."""
+import contextlib
 import os
 import subprocess
+import threading
 
 import pytest
 
@@ -25,3 +27,17 @@ def nothing_left_behind():
     if launch.last_job_id:
         assert job_segments(launch.last_job_id) == [], "a /dev/shm segment leaked"
     assert my_worker_processes() == [], "a rank process was left running"
+
+
+@contextlib.contextmanager
+def thread_exceptions():
+    """Every exception that escapes a background thread of this process while the block runs,
+    as text (thread: type: message); the previous ``threading.excepthook`` is restored after."""
+    caught = []
+    old = threading.excepthook
+    threading.excepthook = lambda args: caught.append(
+        f"{args.thread.name if args.thread else '?'}: {args.exc_type.__name__}: {args.exc_value}")
+    try:
+        yield caught
+    finally:
+        threading.excepthook = old

@@ -53,6 +53,20 @@ def _kill_all(marker):
             pass
 
 
+def _assert_all_cleaned_up(job, marker):
+    """No segment of ``job`` and no process carrying ``marker`` remain (waits up to 30 s)."""
+    left, procs = _wait_until_clean(job, marker)
+    assert left == [] and procs == [], (left, procs)
+
+
+def _reap(p, marker):
+    """However the test ended: the launcher and every rank it started are gone."""
+    if p.poll() is None:
+        p.kill()
+        p.wait()
+    _kill_all(marker)
+
+
 def _wait_for_segment(job_of, within=60.0):
     """Poll /dev/shm every millisecond until a segment of the job exists (setup is under way)."""
     deadline = time.monotonic() + within
@@ -98,8 +112,7 @@ def test_killing_the_spawn_caller_during_setup_leaves_no_segment_and_no_rank(tmp
         assert _wait_for_segment(lambda: job) == job
         os.kill(p.pid, sig)
         p.wait(30)
-        left, procs = _wait_until_clean(job, p.pid)      # the caller's session: its ranks
-        assert left == [] and procs == [], (left, procs)
+        _assert_all_cleaned_up(job, p.pid)      # the caller's session: its ranks
     finally:
         if p.poll() is None:
             p.kill()
@@ -158,13 +171,9 @@ def test_killing_minicomm_run_leaves_no_rank_and_no_segment(tmp_path, sig, when)
         os.kill(p.pid, sig)
         p.wait(30)
         assert p.returncode != 0
-        left, procs = _wait_until_clean(job, marker)
-        assert left == [] and procs == [], (left, procs)
+        _assert_all_cleaned_up(job, marker)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        _kill_all(marker)
+        _reap(p, marker)
 
 
 SSH_LAUNCHER = """
@@ -198,13 +207,9 @@ def test_killing_the_ssh_launcher_leaves_no_rank_and_no_segment(tmp_path):
         assert job is not None
         os.killpg(p.pid, signal.SIGKILL)        # launcher, fake ssh and agent alike
         p.wait(30)
-        left, procs = _wait_until_clean(job, marker)
-        assert left == [] and procs == [], (left, procs)
+        _assert_all_cleaned_up(job, marker)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        _kill_all(marker)
+        _reap(p, marker)
 
 
 # ------------------------------------------------------------------ timeout is per wait

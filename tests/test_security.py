@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import minicomm as mc
-from leaks import nothing_left_behind  # noqa: F401  (autouse fixture)
+from leaks import nothing_left_behind, thread_exceptions  # noqa: F401  (autouse fixture)
 from minicomm import rendezvous as rv
 from minicomm.launch import env as launch_env
 from minicomm.rendezvous import AuthError, RendezvousError, StoreClient, StoreServer, new_token
@@ -210,12 +210,9 @@ def test_dialer_retries_a_full_listen_queue():
 # --------------------------------------------------------- 3. bounded pre-authentication work
 @pytest.fixture
 def no_thread_exceptions():
-    caught = []
-    old = threading.excepthook
-    threading.excepthook = lambda args: caught.append(args)
-    yield caught
-    threading.excepthook = old
-    assert not caught, [f"{a.exc_type.__name__}: {a.exc_value}" for a in caught]
+    with thread_exceptions() as caught:
+        yield caught
+    assert not caught, caught
 
 
 def _store_threads(port):

@@ -175,6 +175,17 @@ def _oversubscribed(local_ranks: int) -> bool:
     return local_ranks > cores
 
 
+def _reserve_and_map(fd: int, size: int, what: str, remedy: str, flags: int) -> mmap.mmap:
+    """Reserve ``size`` bytes of a new segment's file now (``posix_fallocate``: a full /dev/shm
+    is this CommError at setup, not a SIGBUS on a later store) and map it."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        raise CommError(f"shm: cannot reserve {what} in {SHM_DIR} ({e.strerror or e}); "
+                        f"{remedy}") from None
+    return mmap.mmap(fd, size, flags=flags)
+
+
 def _default_ring_bytes(npeers: int) -> int:
     ring = byte_setting("MINICOMM_SHM_RING_BYTES", 0, minimum=16 * PAGE, multiple=PAGE)
     if ring:
@@ -290,12 +301,9 @@ class ShmTransport(LinkEngine):
         self._path = path             # recorded only once we created it: teardown unlinks ours
         _linked.add(path)
         try:
-            try:
-                os.posix_fallocate(fd, 0, total)
-            except OSError as e:
-                raise CommError(f"shm: cannot reserve {total >> 20} MiB in {SHM_DIR} ({e}); "
-                                f"enlarge /dev/shm or lower MINICOMM_SHM_RING_BYTES") from None
-            self._mm = mmap.mmap(fd, total, flags=_MAP_FLAGS)
+            self._mm = _reserve_and_map(fd, total, f"{total >> 20} MiB",
+                                        "enlarge /dev/shm or lower MINICOMM_SHM_RING_BYTES",
+                                        _MAP_FLAGS)
         finally:
             os.close(fd)
         _SEG.pack_into(self._mm, 0, _MAGIC, me, ring, chunk, len(peers))
@@ -820,12 +828,8 @@ class ShmTransport(LinkEngine):
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         _linked.add(path)
         try:
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                raise CommError(f"shm: cannot reserve {size} bytes of registered memory in "
-                                f"{SHM_DIR} ({e.strerror})") from None
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            mm = _reserve_and_map(fd, size, f"{size} bytes of registered memory",
+                                  "enlarge /dev/shm or free registered buffers", mmap.MAP_SHARED)
         except BaseException:
             _unlink(path)
             raise

@@ -240,7 +240,6 @@ def agree_link_model(comm, intra: str, inter: str) -> LinkModel:
     values: Dict[str, float] = {}
     if want[0]:
         values = _measure_links(comm, near, far, intra, inter)
-
     if rank == 0:
         default = LinkModel.for_transports(intra, inter)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

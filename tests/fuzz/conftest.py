@@ -2,7 +2,6 @@
 
 ``MINICOMM_FUZZ_EXAMPLES`` sets the examples per hypothesis test (default: CI-sized)."""
 import sys
-import threading
 
 import pytest
 
@@ -11,12 +10,7 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])     # tests/: leaks.py
 
 @pytest.fixture(autouse=True)
 def no_uncaught_thread_exceptions():
-    caught = []
-    old = threading.excepthook
-    threading.excepthook = lambda args: caught.append(
-        f"{args.thread.name if args.thread else '?'}: {args.exc_type.__name__}: {args.exc_value}")
-    try:
+    from leaks import thread_exceptions
+    with thread_exceptions() as caught:
         yield caught
-    finally:
-        threading.excepthook = old
     assert not caught, f"uncaught exceptions in background threads: {caught}"

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import minicomm as mc  # noqa: E402
+from leaks import thread_exceptions  # noqa: E402
 from minicomm import rendezvous as rv  # noqa: E402
 from minicomm.rendezvous import StoreClient, StoreServer, new_token  # noqa: E402
 from minicomm.transports.base import Tag  # noqa: E402
@@ -49,12 +50,9 @@ def report_cases():
 @pytest.fixture(scope="module")
 def thread_errors():
     """Any exception escaping a background thread while the fuzzers run fails the module."""
-    caught = []
-    old = threading.excepthook
-    threading.excepthook = lambda args: caught.append(args)
-    yield caught
-    threading.excepthook = old
-    assert not caught, [f"{a.exc_type.__name__}: {a.exc_value} in {a.thread}" for a in caught]
+    with thread_exceptions() as caught:
+        yield caught
+    assert not caught, caught
 
 
 @pytest.fixture(scope="module")
