@@ -41,7 +41,7 @@ from .executor import LazyCheck, Plan, run_plan
 from .p2p import ANY_SOURCE, ANY_TAG, MAX_TAG, P2PEngine, Status
 from .schedule import ROOTED
 from .settings import env_debug, env_flag, env_timeout, timeout_arg
-from .smallpath import compile_small, eligible, run_small
+from .smallpath import Guard, compile_small, eligible, run_small
 from .transports.base import ABORT_CALL, ABORT_KINDS, Tag
 from .window import Window
 
@@ -155,6 +155,10 @@ class Communicator:
         # collectives; "full" (MINICOMM_DEBUG=detail): a fingerprint exchange before every call.
         self.check = check or ("full" if debug == "detail" else "header")
         self._calls: Dict[Tuple, _Call] = {}
+        self._fingerprints: Dict[Tuple, np.ndarray] = {}
+        # False: every call runs through the executor (what the link probe times against the
+        # small-message path; MINICOMM_SMALL_PATH=0 does it for the whole process)
+        self.small_path = True
         self.link_model = link_model or LinkModel.for_transports("shm", "tcp")
         self._algo_env = parse_algo_env()
         self._owner = _owner
@@ -346,6 +350,33 @@ class Communicator:
                  f"fingerprint check of call #{seq + 1}")
         self._compare_fingerprints(everyone.reshape(self.size, 3), mine, call, count, seq)
 
+    def _fingerprint(self, call: int, count: int, shape: Tuple[int, ...]) -> np.ndarray:
+        """This rank's fingerprint of a call: (packed signature, count, crc32 of the shape),
+        memoised (calls repeat; read-only, it is only ever sent and compared)."""
+        key = (call, count, shape)
+        mine = self._fingerprints.get(key)
+        if mine is None:
+            mine = np.array([call, count, zlib.crc32(repr(tuple(shape)).encode())],
+                            dtype=np.int64)
+            mine.flags.writeable = False
+            if len(self._fingerprints) > 1024:
+                self._fingerprints.clear()
+            self._fingerprints[key] = mine
+        return mine
+
+    def _small_guard(self, call: int, count: int, shape: Tuple[int, ...]) -> Guard:
+        """``_post_fingerprints`` for a call on the small-message path: the same messages (same
+        sequence number and tag), sent and received by ``run_small`` (smallpath, "Guarded
+        calls")."""
+        mine = self._fingerprint(call, count, shape)
+        seq = self._next_seq()
+        rows = np.empty((self.size, 3), dtype=np.int64)
+        rows[:] = mine
+
+        def check():
+            self._compare_fingerprints(rows, mine, call, count, seq)
+        return Guard(Tag(self._ctx, seq, 0, fingerprint_call(call), 3), mine, rows, check)
+
     def _post_fingerprints(self, call: int, count: int, shape: Tuple[int, ...]) -> LazyCheck:
         """The fingerprint check of a rooted call without its round trip: every rank sends its
         fingerprint to every other (small eager sends) and the call's data moves at once; the
@@ -353,7 +384,7 @@ class Communicator:
         before the call returns, so a disagreement (on the root above all: such ranks may never
         exchange data) is still a MismatchError on every rank, where otherwise a wait would
         time out. Same sequence number and tag as ``_fingerprint_check``'s allgather."""
-        mine = np.array([call, count, zlib.crc32(repr(tuple(shape)).encode())], dtype=np.int64)
+        mine = self._fingerprint(call, count, shape)
         seq = self._next_seq()
         tag = Tag(self._ctx, seq, 0, fingerprint_call(call), 3)     # names the checked call
         rows = np.empty((self.size, 3), dtype=np.int64)
@@ -369,6 +400,8 @@ class Communicator:
 
     def _compare_fingerprints(self, rows: np.ndarray, mine: np.ndarray, call: int, count: int,
                               seq: int) -> None:
+        if rows.tobytes() == mine.tobytes() * self.size:
+            return
         bad = [r for r in range(self.size) if not np.array_equal(rows[r], mine)]
         if bad:
             theirs = Tag(0, 0, 0, int(rows[bad[0]][0]), int(rows[bad[0]][1]))
@@ -431,10 +464,12 @@ class Communicator:
         # Headers catch a disagreement whenever the disagreeing ranks exchange a message. Ranks
         # that disagree on the *root* may never do so (each "root" only sends): rooted calls
         # therefore always exchange fingerprints first; check="full" does it for every call.
-        guard = None
+        guard = small_guard = None
         if fingerprint and self.size > 1 and (c.rooted or self.check == "full"):
             if self.check == "full":
                 self._fingerprint_check(c.call, count, shape)
+            elif c.small is not None and self.small_path:
+                small_guard = self._small_guard(c.call, count, shape)
             else:
                 guard = self._post_fingerprints(c.call, count, shape)
         self._seq += 1
@@ -453,10 +488,11 @@ class Communicator:
         if tmp is None or tmp.size < n:
             tmp = self._tmp(outb.dtype, n)
         tag = _new_tag(Tag, (self._ctx, seq, 0, c.call, count))
-        if c.small is not None and guard is None:
-            # latency-bound and unguarded: the compiled plan (smallpath), same schedule
+        if c.small is not None and guard is None and self.small_path:
+            # latency-bound: the compiled plan (smallpath), same schedule; a rooted call's
+            # fingerprints travel with it (small_guard)
             run_small(c.small, self.transport, (inb, outb, tmp[:n]), c.kernel, tag,
-                      time.monotonic() + self.timeout, c.label)
+                      time.monotonic() + self.timeout, c.label, guard=small_guard)
         else:
             # a guarded (rooted, lazily fingerprinted) call checks fingerprints while it waits
             run_plan(plan, self.transport, (inb, outb, tmp[:n]), c.kernel, tag,

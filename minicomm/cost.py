@@ -300,12 +300,14 @@ def _guarded(prog):
 
 
 def schedule_time(collective: str, fam: str, p: int, count: int, topology: Tuple[int, ...],
-                  m: LinkModel, itemsize: int = ITEMSIZE, calls: int = 1) -> float:
+                  m: LinkModel, itemsize: int = ITEMSIZE, calls: int = 1,
+                  executor: Optional[bool] = None) -> float:
     """Predicted seconds of one call: the schedules of all p ranks, compiled by the simulator
     engine (its own cache: the executor's schedules are not evicted), run on ``host_model(m)``.
     ``calls`` > 1: the time per call of that many calls issued back to back by every rank (as a
     benchmark's batch or a training loop does: a rank that finished its part of call k starts
-    call k + 1, so calls overlap where the schedule lets them)."""
+    call k + 1, so calls overlap where the schedule lets them). ``executor``: whether the
+    executor runs the call (None: ``runs_executor`` decides, as the communicator does)."""
     prog = engine.program_for(collective, fam, p, count, 0, tuple(topology))
     if collective in ROOTED:
         prog = _guarded(prog)
@@ -313,18 +315,20 @@ def schedule_time(collective: str, fam: str, p: int, count: int, topology: Tuple
         prog = engine.repeat_program(prog, calls)
     working_set = engine.bytes_for_count(collective, count, p, itemsize)
     hm = host_model(m, working_set)
-    return engine.run_host(prog, tuple(topology), hm, itemsize,
-                           executor=runs_executor(collective, prog, topology, m, itemsize)
+    if executor is None:
+        executor = runs_executor(collective, prog, topology, m, itemsize)
+    return engine.run_host(prog, tuple(topology), hm, itemsize, executor=executor
                            ).time_s / max(1, calls)
 
 
 def runs_executor(collective: str, prog, topology: Sequence[int], m: LinkModel,
                   itemsize: int = ITEMSIZE) -> bool:
     """Whether the communicator runs this call through the executor rather than the
-    small-message path (``SMALL_BYTES``): a rooted call, a world on several nodes (several
-    transports), a transport without the path, or a message above its limit."""
+    small-message path (``SMALL_BYTES``): a world on several nodes (several transports), a
+    transport without the path, or a message above its limit (a rooted call's fingerprints
+    travel on either path)."""
     limit = SMALL_BYTES.get(m.intra, 0)
-    if collective in ROOTED or not limit or len(set(topology)) > 1:
+    if not limit or len(set(topology)) > 1:
         return True
     return bool(prog.messages) and float(prog.msg_count.max()) * itemsize > limit
 

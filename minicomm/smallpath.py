@@ -24,6 +24,16 @@ ranks. Execution order within a step is the executor's (local ops, receives, sen
 sends go out before the receives are *waited* for, which is what eager rings allow and what the
 verifier's rendezvous semantics already prove deadlock-free.
 
+Guarded calls. A rooted call exchanges call fingerprints (``Communicator._post_fingerprints``:
+every rank sends its 24-byte fingerprint to every other before any data, and learns of a
+disagreement, on the root above all, before it returns). On this path that exchange is a
+``Guard``: the fingerprints go out with ``send_now`` before step 0; a peer's fingerprint is
+received right before the first data receive from that peer (it is the first record that peer
+sent on this communicator, so FIFO order puts it there) and compared on arrival, so a rank
+never waits for data from a peer that disagrees; the fingerprints of peers it receives no data
+from are received at the end. Same messages and tags as the executor's ``LazyCheck``, so ranks
+on either path interoperate; the fingerprints are outside the schedule in both.
+
 Restrictions: only schedules whose steps receive from distinct peers (a peer's messages arrive in
 FIFO order, so two receives of one step from one peer would need an ordering this path does not
 track) and whose messages all fit ``small_bytes``; everything else runs through the executor.
@@ -55,11 +65,33 @@ class SmallPlan:
     ``(reduce?, src buffer, src offset, dst buffer, dst offset, count, whole)``, ``sends``
     ``(world peer, buffer, lo, hi, whole)``, ``recvs`` ``(world peer, buffer, lo, hi, reduce?,
     whole)``; buffers are indices into (in, out, tmp), offsets in elements; ``whole`` says the
-    regions are entire buffers (no view to cut)."""
-    __slots__ = ("steps", "tmp_count", "group", "schedule")
+    regions are entire buffers (no view to cut). ``first_from[k]``: the communicator ranks
+    whose first message to this rank step k receives, ``never_from`` those it receives nothing
+    from (where a ``Guard`` takes their fingerprints)."""
+    __slots__ = ("steps", "tmp_count", "group", "schedule", "first_from", "never_from")
 
     def __init__(self, steps, tmp_count: int, group: Tuple[int, ...], schedule: Schedule):
         self.steps, self.tmp_count, self.group, self.schedule = steps, tmp_count, group, schedule
+        rank_of = {w: r for r, w in enumerate(group)}
+        seen = {schedule.rank}
+        first = []
+        for _, _, _, recvs in steps:
+            new = tuple(rank_of[r[0]] for r in recvs if rank_of[r[0]] not in seen)
+            seen.update(new)
+            first.append(new)
+        self.first_from = tuple(first)
+        self.never_from = tuple(r for r in range(len(group)) if r not in seen)
+
+
+class Guard:
+    """The fingerprint exchange of a guarded call on this path (module doc): ``tag`` (the
+    fingerprints' own), ``mine`` (this rank's fingerprint, int64[3]), ``rows`` (one per
+    communicator rank, filled as they arrive; rows not yet received hold ``mine``), and
+    ``check()``, which raises ``MismatchError`` naming the ranks whose row differs."""
+    __slots__ = ("tag", "mine", "rows", "check")
+
+    def __init__(self, tag: Tag, mine, rows, check):
+        self.tag, self.mine, self.rows, self.check = tag, mine, rows, check
 
 
 def eligible(schedule: Schedule, itemsize: int, small_bytes: int) -> bool:
@@ -165,14 +197,24 @@ def verify_compiled(plans: Sequence[SmallPlan], *, topology=None):
 
 
 def run_small(plan: SmallPlan, transport, bufs, kernel, tag: Tag, deadline: float, what: str,
-              spin: Optional[float] = None) -> None:
+              spin: Optional[float] = None, guard: Optional[Guard] = None) -> None:
     """Run ``plan`` on flat buffers ``bufs`` = (in, out, tmp) through ``transport``'s
     ``send_now`` / ``recv_now``, falling back per message to ``isend`` / ``irecv`` +
-    ``wait_all`` (module doc). ``kernel(dst, src)`` reduces in place; ``tag`` is the call's."""
+    ``wait_all`` (module doc). ``kernel(dst, src)`` reduces in place; ``tag`` is the call's;
+    ``guard``: the call's fingerprint exchange (module doc, "Guarded calls")."""
     send_now, recv_now = transport.send_now, transport.recv_now
     comm, seq, call, count = tag[0], tag[1], tag[3], tag[4]
     if spin is None:
         spin = SMALL_SPIN_S
+    if guard is not None:
+        group, me = plan.group, plan.schedule.rank
+        late = None                   # fingerprint sends that did not fit the ring now
+        for r in range(len(group)):
+            if r != me and not send_now(group[r], guard.mine, guard.tag):
+                if late is None:
+                    late = []
+                late.append(transport.isend(group[r], guard.mine, guard.tag))
+        first = plan.first_from
     for i, local, sends, recvs in plan.steps:
         for red, sb, so, db, do, n, whole in local:
             if whole:
@@ -193,6 +235,8 @@ def run_small(plan: SmallPlan, transport, bufs, kernel, tag: Tag, deadline: floa
                 if reqs is None:
                     reqs = []
                 reqs.append(transport.isend(peer, v, t))
+        if guard is not None and first[i]:
+            _take_fingerprints(guard, first[i], group, transport, deadline, what, spin)
         if len(recvs) == 1:
             peer, b, lo, hi, red, whole = recvs[0]
             v = bufs[b] if whole else bufs[b][lo:hi]
@@ -213,3 +257,22 @@ def run_small(plan: SmallPlan, transport, bufs, kernel, tag: Tag, deadline: floa
                     reqs.append(transport.irecv(peer, v, t, k))
         if reqs is not None:
             transport.wait_all(reqs, deadline, what)
+    if guard is not None:
+        if plan.never_from:
+            _take_fingerprints(guard, plan.never_from, group, transport, deadline, what, spin)
+        if late is not None:
+            transport.wait_all(late, deadline, what)
+
+
+def _take_fingerprints(guard: Guard, ranks, group, transport, deadline: float, what: str,
+                       spin: float) -> None:
+    """Receive the fingerprints of communicator ranks ``ranks`` and compare them on arrival."""
+    rows, t = guard.rows, guard.tag
+    for r in ranks:
+        row = rows[r]
+        if not transport.recv_now(group[r], row, t, None, spin):
+            transport.wait_all([transport.irecv(group[r], row, t)], deadline, what)
+    mine = guard.mine
+    for r in ranks:
+        if rows[r].tobytes() != mine.tobytes():
+            guard.check()

@@ -728,16 +728,19 @@ def test_host_model_ranks_beyond_the_cores_run_at_the_busiest_cores_pace():
 
 
 def test_calls_run_by_the_executor_pay_its_extra_cost_per_message():
-    """The communicator runs a call on the small-message path when it is unrooted, on one node
-    over a transport with the path, and every message fits its limit; every other call runs
-    through the executor and costs ``exec_overhead`` more per intra-node message op."""
+    """The communicator runs a call on the small-message path when it is on one node over a
+    transport with the path and every message fits its limit (a rooted call's fingerprints
+    too); every other call runs through the executor and costs ``exec_overhead`` more per
+    intra-node message op."""
     from minicomm import cost
     m = cost.LinkModel.for_transports("shm", "tcp")
     slow = dataclasses.replace(m, exec_overhead=5e-6)
     small = cost.SMALL_BYTES["shm"] // 4
     prog = program_for("allreduce", "rhd", 2, 2)
     assert not cost.runs_executor("allreduce", prog, (0, 0), m)
-    assert cost.runs_executor("broadcast", program_for("broadcast", "tree", 2, 2), (0, 0), m)
+    assert not cost.runs_executor("broadcast", program_for("broadcast", "tree", 2, 2), (0, 0), m)
+    assert cost.runs_executor("broadcast", program_for("broadcast", "tree", 2, 2 * small),
+                              (0, 0), m)
     assert cost.runs_executor("allreduce", prog, (0, 1), m)               # two nodes
     assert cost.runs_executor("allreduce", prog, (0, 0),
                               cost.LinkModel.for_transports("tcp", "tcp"))
@@ -747,8 +750,13 @@ def test_calls_run_by_the_executor_pay_its_extra_cost_per_message():
                               (0, 0), m)
     t = lambda mm, c, f, n: cost.schedule_time(c, f, 2, n, (0, 0), mm)      # noqa: E731
     assert t(slow, "allreduce", "rhd", 2) == t(m, "allreduce", "rhd", 2)
-    # a one-way hop of 8 bytes: the sender's and the receiver's ops pay it, and the fingerprint
-    assert t(slow, "broadcast", "tree", 2) > t(m, "broadcast", "tree", 2) + 2 * 5e-6
+    assert t(slow, "broadcast", "tree", 2) == t(m, "broadcast", "tree", 2)
+    # a one-way hop run by the executor: the sender's and the receiver's ops pay it, and the
+    # fingerprint's
+    tx = lambda mm: cost.schedule_time("broadcast", "tree", 2, 2, (0, 0), mm,  # noqa: E731
+                                       executor=True)
+    assert tx(slow) > tx(m) + 2 * 5e-6
+    assert t(slow, "broadcast", "tree", 2 * small) > t(m, "broadcast", "tree", 2 * small) + 2 * 5e-6
 
 
 def test_host_model_call_overhead_and_background_load():

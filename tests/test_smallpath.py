@@ -213,3 +213,65 @@ def _shape_mismatch(comm):
 def test_small_path_detects_a_count_mismatch():
     res = mc.spawn(_shape_mismatch, world_size=3, transport="shm", timeout=120)
     assert "none" not in res and "MismatchError" in res, res
+
+
+def _rooted_on_small_path(comm):
+    """Rooted small calls run on the small path with their fingerprints (no executor run)."""
+    import minicomm.communicator as cm
+    ran = []
+    real = cm.run_plan
+
+    def counting(*a, **k):
+        ran.append(a[0].schedule.collective)
+        return real(*a, **k)
+    cm.run_plan = counting
+    p, r = comm.size, comm.rank
+    got = []
+    for algo in ("ring", "tree", "rhd"):
+        for root in range(p):
+            x = np.arange(6, dtype=np.float64) + r
+            got.append(np.array_equal(comm.broadcast(x, root=root, algorithm=algo),
+                                      np.arange(6.0) + root))
+            g = comm.gather(x, root=root, algorithm=algo)
+            got.append(np.array_equal(g, np.stack([np.arange(6.0) + q for q in range(p)]))
+                       if r == root else g is None)
+            red = comm.reduce(x, root=root, algorithm=algo)
+            got.append(np.array_equal(red, sum(np.arange(6.0) + q for q in range(p)))
+                       if r == root else red is None)
+            blocks = np.arange(p * 3, dtype=np.int32).reshape(p, 3) * (root + 1)
+            got.append(np.array_equal(comm.scatter(blocks if r == root else None, root=root,
+                                                   algorithm=algo), blocks[r]))
+    cm.run_plan = real
+    return all(got), ran
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_rooted_small_calls_take_the_small_path_with_their_fingerprints(p):
+    for ok, ran in mc.spawn(_rooted_on_small_path, world_size=p, transport="shm", timeout=120):
+        assert ok
+        assert ran == []                          # every call (and its guard) ran on the path
+
+
+def _root_and_shape_mismatches(comm, case):
+    x = np.ones(8, np.float32)
+    try:
+        if case == "root":
+            comm.broadcast(x, root=comm.rank % 2, algorithm="tree")
+        elif case == "shape":
+            comm.gather(x.reshape((2, 4) if comm.rank == 0 else (4, 2)), root=0, algorithm="tree")
+        else:                         # a rank that only sends, and a root that only receives
+            comm.reduce(x, root=0 if comm.rank != 1 else 1, algorithm="ring")
+    except mc.CommError as e:
+        return type(e).__name__, str(e)
+    return "none", ""
+
+
+@pytest.mark.parametrize("case", ["root", "shape", "roots"])
+def test_guarded_small_calls_name_a_mismatch_on_every_rank(case):
+    res = mc.spawn(_root_and_shape_mismatches, world_size=3, args=(case,), transport="shm",
+                   timeout=60)
+    for kind, text in res:
+        assert kind in ("MismatchError", "PeerFailure"), res
+    assert any(kind == "MismatchError" for kind, _ in res), res
+    if case == "shape":
+        assert any("different shapes" in text for _, text in res), res

@@ -288,7 +288,8 @@ class ShmTransport(LinkEngine):
         self._listener.listen(socket.SOMAXCONN)
 
         ring = _default_ring_bytes(len(peers))
-        chunk = min(CHUNK, ring // 4 // PAGE * PAGE)
+        chunk = min(byte_setting("MINICOMM_SHM_CHUNK", CHUNK, minimum=PAGE, multiple=PAGE),
+                    ring // 4 // PAGE * PAGE)
         head_bytes = -(-(_RANKS_AT + 8 * len(peers)) // PAGE) * PAGE
         total = head_bytes + len(peers) * (PAGE + ring)
         path = segment_path(self.job_id, me)

@@ -58,8 +58,8 @@ def probe_link(pair, kind: str, gamma: float, delta: float, contention: float) -
     the latency (the prediction is linear in both). Then ``PROBE_BYTES`` through the same rhd
     allgather (both ranks copy at once) and tree allreduce (one copies at a time), less their
     8-byte times: β by least squares (no less than δ/4: a byte is copied in and out). Where the
-    transport has a small-message path, an 8-byte tree broadcast (rooted: run by the executor)
-    gives ``exec_overhead``, the executor's extra CPU per message op."""
+    transport has a small-message path, an 8-byte tree broadcast run by the executor (the
+    path switched off for it) gives ``exec_overhead``, the executor's extra CPU per message op."""
     small = np.zeros(2, dtype=np.float32)
     large = np.zeros(PROBE_BYTES // 4, dtype=np.float32)
     one = _probe_min(lambda: pair.allgather(small, algorithm="rhd"), PROBE_REPS[0])
@@ -87,16 +87,20 @@ def probe_link(pair, kind: str, gamma: float, delta: float, contention: float) -
     slope = (np.array([grow(0, 1e-9), grow(2, 1e-9)]) - base) / 1e-9
     excess = np.array([big_x - one, big_h - hops]) - base
     beta = float(slope @ excess / (slope @ slope))
-    # a fourth 8-byte call, rooted (tree broadcast: the executor and the fingerprint check):
+    # a fourth 8-byte call through the executor (tree broadcast, with its fingerprint check):
     # what a call run by the executor costs per message op beyond the small-message path
     extra = 0.0
     if kind in SMALL_BYTES:
-        rooted = _probe_min(lambda: pair.broadcast(small, algorithm="tree"), PROBE_REPS[0])
+        pair.small_path = False
+        try:
+            rooted = _probe_min(lambda: pair.broadcast(small, algorithm="tree"), PROBE_REPS[0])
+        finally:
+            pair.small_path = True
         m0 = _probe_model(kind, o, lat, 0.0, 0.0, 0.0, contention)
 
         def bcast(x: float) -> float:
             return schedule_time("broadcast", "tree", 2, 2, (0, 0),
-                                 dataclasses.replace(m0, exec_overhead=x))
+                                 dataclasses.replace(m0, exec_overhead=x), executor=True)
         per = (bcast(1e-6) - bcast(0.0)) / 1e-6
         extra = max(0.0, (rooted - bcast(0.0)) / per) if per > 0 else 0.0
     return {"alpha": 3 * o + lat, "beta": max(beta, delta / 4), "overhead": o,
