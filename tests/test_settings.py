@@ -230,6 +230,7 @@ def test_bad_choice_variables_are_named(name, raw, monkeypatch):
 
 @pytest.mark.parametrize("name,raw", [
     ("MINICOMM_SHM_RING_BYTES", "abc"), ("MINICOMM_SHM_RING_BYTES", "100"),
+    ("MINICOMM_SHM_CHUNK", "100"),
     ("MINICOMM_P2P_BUFFER_BYTES", "-5"), ("MINICOMM_UNEXPECTED_BYTES", "lots"),
     ("MINICOMM_LANDING_BYTES", "abc"), ("MINICOMM_LANDING_BYTES", "0"),
     ("MINICOMM_NIC_ARENA_BYTES", "1GB"), ("MINICOMM_NIC_ARENA_BYTES", "-1"),

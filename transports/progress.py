@@ -8,7 +8,8 @@ unprogressed ones, and a routed rank drives shm and tcp peers in the same loop.
 
 Waiting. After a pass that moved nothing, the caller spins briefly (hot for ``HOT_SPIN_S``
 unless an engine says its node's ranks outnumber the cores, then ``os.sched_yield`` between
-passes, so ranks sharing a core hand it over), then blocks in ``epoll_wait`` on every engine's file
+passes, so ranks sharing a core hand it over; ``SPIN_S`` in all, or for a large message about
+its copy time, at most ``SPIN_MAX_S``, when the ranks have a core each), then blocks in ``epoll_wait`` on every engine's file
 descriptors until the deadline -- or, when the only engine is shm with a futex word
 (``futex_ok``), in ``futex(FUTEX_WAIT)`` on that word, in slices of ``FUTEX_SLICE_S`` after each of
 which ``epoll_wait(0)`` reads the doorbell sockets (a peer's EOF or abort). Before blocking it tells the engines (``sleep(True)``: shm raises
@@ -48,6 +49,11 @@ CLEAN_CLOSE = "it closed its transport"
 UNEXPECTED_LIMIT = byte_setting("MINICOMM_UNEXPECTED_BYTES", 256 << 20)   # a peer's orderly goodbye, not a crash
 EDGE = select.EPOLLIN | select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
 SPIN_S = 50e-6                        # spin about one blocking wake-up's cost, then sleep
+# ... or, waiting on a large message, about as long as its bytes take to copy (at
+# SPIN_BYTES_PER_S, a cross-core copy's pace) up to SPIN_MAX_S: a 1 MiB step's peer is busy
+# copying for ~100 us, and sleeping through that costs a futex wake-up (~100 us here) on top
+SPIN_BYTES_PER_S = 4e9
+SPIN_MAX_S = 1e-3
 HOT_SPIN_S = 4e-6                     # poll without yielding first: the peer is usually running
 # A rank asleep on a futex word (shm alone) wakes at least this often to read its doorbell
 # sockets: a peer that died without a word (SIGKILL) is noticed within this bound.
@@ -246,6 +252,7 @@ class Progress:
         self.engines: List = []
         self.spin = False             # spin before blocking: some engine polls memory
         self.hot_spin = HOT_SPIN_S    # poll without yielding first (0: ranks outnumber cores)
+        self.spin_long = True         # spin longer for large messages (not when oversubscribed)
         self._handlers: Dict[int, Callable[[int], None]] = {}
         self._polling = False
         self._waiters = 0             # threads in cv.wait: notify only when there are some
@@ -291,6 +298,7 @@ class Progress:
             self.spin = self.spin or spin
             if getattr(engine, "oversubscribed", False):
                 self.hot_spin = 0.0   # a peer may need our core: yield from the first poll
+                self.spin_long = False
 
     def register(self, fd: int, handler: Callable[[int], None]) -> None:
         """``handler(events)`` runs under the lock after ``epoll_wait`` reports ``fd``."""
@@ -341,10 +349,14 @@ class Progress:
         # then poll with os.sched_yield between passes (a peer that shares our core, with more
         # ranks than cores or other load on the machine, gets it), then block.
         hot_until = spin_until = started
-        hot = self.hot_spin
+        hot, spin = self.hot_spin, SPIN_S
         if self.spin:
+            if self.spin_long:
+                biggest = max(r.nbytes for r in reqs if not r.done) / SPIN_BYTES_PER_S
+                if biggest > spin:
+                    spin = biggest if biggest < SPIN_MAX_S else SPIN_MAX_S
             hot_until += hot
-            spin_until += SPIN_S
+            spin_until += spin
         while True:
             lock.acquire()
             try:
@@ -373,7 +385,7 @@ class Progress:
                     raise CommError(f"{what}: transport is closed")
                 if moved:
                     if self.spin:
-                        hot_until, spin_until = now + hot, now + SPIN_S
+                        hot_until, spin_until = now + hot, now + spin
                     continue
                 if now >= spin_until:
                     # about to block: a message from any peer may prove the call cannot complete
@@ -437,7 +449,7 @@ class Progress:
             # after a wake-up, spin again: the next message often follows closely
             if self.spin:
                 now = time.monotonic()
-                hot_until, spin_until = now + hot, now + SPIN_S
+                hot_until, spin_until = now + hot, now + spin
 
 
 def _timeout(pending: Req, reqs: List[Req], what: str, waited: float) -> CommTimeout:

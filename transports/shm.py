@@ -7,7 +7,8 @@ written by one side only) and a byte ring of records: a 64-byte header (the Tag,
 length, the chunk's offset and length) followed by the chunk, padded to 64 bytes. A record never
 wraps (a marker sends the reader back to the start), so every chunk is contiguous: the receiver
 copies it, or hands it to ``req.reduce(dst, chunk_view)`` straight out of the shared memory; the
-data crosses memory once on each side. Messages larger than a chunk (1 MiB) are streamed record
+data crosses memory once on each side. Messages larger than a chunk (1 MiB;
+``MINICOMM_SHM_CHUNK``, a multiple of 4096, at most a quarter of the ring) are streamed record
 by record, so the sender's copy-in of chunk k+1 overlaps the receiver's reduce-out of chunk k,
 and messages larger than the ring simply flow through it. Chunks other than a message's last are
 multiples of 4096 bytes, so they always end on an element boundary.
