@@ -82,6 +82,7 @@ from .algorithms import FAMILIES
 from .schedule import COLLECTIVES, ROOTED
 from .sim import engine
 from .sim.engine import HostLink, HostModel
+from .transports.progress import SPIN_BYTES_PER_S, SPIN_MAX_S
 
 # Defaults for MINICOMM_TUNE=0 (and before agreement): α = cost of one communicating step (s),
 # bytes/s, o = CPU per message operation (s).
@@ -268,7 +269,8 @@ def host_model(m: LinkModel, working_set: float = 0.0) -> HostModel:
             HostLink(m.alpha_inter, beta(m.inter, m.beta_inter), m.overhead_inter,
                      PIPELINE_CHUNK.get(m.inter, STREAM_CHUNK)),
             gamma=gamma, delta=delta, wake=m.wake, contention=contention, cores=m.cores,
-            spin=m.spin, sharing_loss=SHARING_LOSS, call_overhead=m.call_overhead,
+            spin=m.spin, spin_rate=SPIN_BYTES_PER_S if m.spin else 0.0, spin_max=SPIN_MAX_S,
+            sharing_loss=SHARING_LOSS, call_overhead=m.call_overhead,
             background=m.background, exec_overhead=m.exec_overhead,
             single_min=m.single_copy if m.intra in COPY_TRANSPORTS else 0,
             # the kernel pins and copies the remote pages one by one: no cache reuse, the

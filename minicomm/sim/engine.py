@@ -706,7 +706,9 @@ class HostModel:
     wake: float = 0.0       # extra latency of a message to a rank asleep in the kernel
     contention: float = 0.0  # k ranks working at once on a node each run 1 + c(k-1) slower
     cores: int = 0          # cores of a node (0: as many as ranks, no sharing)
-    spin: float = 50e-6     # a waiting rank spins this long, then sleeps
+    spin: float = 50e-6     # a waiting rank spins this long, then sleeps ...
+    spin_rate: float = 0.0  # ... or, with a core to itself, as long as the largest message it
+    spin_max: float = 0.0   # waits for takes at this many bytes/s, at most spin_max (0: spin)
     sharing_loss: float = 1.0   # work on a shared core runs at share / (1 + loss (1 - share))
     call_overhead: float = 0.0  # CPU of a rank at the start of every call (argument checks,
                                 # plan lookup, sequence tags: the communicator's Python)
@@ -733,7 +735,8 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
     last; then its receives in arrival order: o plus the copy-out, β/2 per byte (a reducing
     receive max(β/2, γ): it reduces straight out of the landing memory), the last piece no
     earlier than the sender copied it in. A waiting rank spins for ``spin``, then sleeps: the
-    message that wakes it costs ``wake`` more when the rank has a core to itself. A node's ranks
+    message that wakes it costs ``wake`` more when the rank has a core to itself (such a rank
+    spins longer for a large message: its bytes at ``spin_rate``, up to ``spin_max``). A node's ranks
     share its ``cores`` (processor sharing among working and spinning ranks at the busiest
     core's pace, ceil(ranks / cores) to a core; work on a shared core is ``sharing_loss`` less
     efficient; k ranks working at once slow each other down by 1 + contention (k - 1));
@@ -790,6 +793,13 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
     waiting: List[Any] = [None] * p     # None, ("first", None): any receive, ("last", message)
     wait_since = [0.0] * p
     wake_at: List[Optional[float]] = [None] * p
+    spin_of = [hm.spin] * p              # how long this wait spins before the rank sleeps
+    long_spin = hm.spin_rate > 0 and hm.spin_max > hm.spin
+
+    def wait_for(r: int, state, nbytes: float) -> None:
+        waiting[r], wait_since[r] = state, now
+        if long_spin and not shared[node_of[r]]:
+            spin_of[r] = min(hm.spin_max, max(hm.spin, nbytes / hm.spin_rate))
     done = [False] * p
     end = [0.0] * p
     now = 0.0
@@ -830,7 +840,7 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
                     finish(stamp)
                     continue
                 if last[what] > now:             # the sender's final piece is not in yet
-                    waiting[r], wait_since[r] = ("last", what), now
+                    wait_for(r, ("last", what), mbytes[what])
                     return
                 continue
             ready = [(first[m], i, m) for i, m in enumerate(recvs[r])
@@ -845,12 +855,12 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
                            ("cpu", tail, ("read", m))]
                 continue
             if recvs[r]:
-                waiting[r], wait_since[r] = ("first", None), now
+                wait_for(r, ("first", None), max(mbytes[m] for m in recvs[r]))
                 return
             while held[r] and read[held[r][-1]] <= now:
                 held[r].pop()
             if held[r]:                  # a single-copy send completes once it has been read
-                waiting[r], wait_since[r] = ("read", held[r][-1]), now
+                wait_for(r, ("read", held[r][-1]), mbytes[held[r][-1]])
                 return
             begin_step(r)
             return
@@ -893,7 +903,7 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
             for r in range(p):
                 if done[r] or waiting[r] is None or not satisfied(r):
                     continue
-                if wake_at[r] is None and now - wait_since[r] > hm.spin \
+                if wake_at[r] is None and now - wait_since[r] > spin_of[r] \
                         and not shared[node_of[r]] and hm.wake > 0:
                     wake_at[r] = now + hm.wake   # it fell asleep: the kernel wakes it
                 if wake_at[r] is not None and wake_at[r] > now:
@@ -911,7 +921,7 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
             if waiting[r] is None:
                 working[node_of[r]] += 1
                 busy[node_of[r]] += 1
-            elif wake_at[r] is None and now - wait_since[r] <= hm.spin:
+            elif wake_at[r] is None and now - wait_since[r] <= spin_of[r]:
                 busy[node_of[r]] += 1
         rate = {}
         for n in nodes:
@@ -932,8 +942,8 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
             if wake_at[r] is not None:
                 nxt = min(nxt, wake_at[r])
                 continue
-            if now - wait_since[r] <= hm.spin:
-                nxt = min(nxt, wait_since[r] + hm.spin * (1 + 1e-9) + 1e-12)
+            if now - wait_since[r] <= spin_of[r]:
+                nxt = min(nxt, wait_since[r] + spin_of[r] * (1 + 1e-9) + 1e-12)
             for t in pending_times(r):
                 if t > now:
                     nxt = min(nxt, t)
