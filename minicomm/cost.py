@@ -80,9 +80,9 @@ import numpy as np
 
 from .algorithms import FAMILIES
 from .schedule import COLLECTIVES, ROOTED
+from .settings import SPIN_BYTES_PER_S, SPIN_MAX_S
 from .sim import engine
 from .sim.engine import HostLink, HostModel
-from .transports.progress import SPIN_BYTES_PER_S, SPIN_MAX_S
 
 # Defaults for MINICOMM_TUNE=0 (and before agreement): α = cost of one communicating step (s),
 # bytes/s, o = CPU per message operation (s).

@@ -40,6 +40,7 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
+from minicomm import settings
 from minicomm.errors import CommError, CommTimeout, PeerFailure, describe_call
 from minicomm.settings import byte_setting
 from .base import ReduceFn, Request, Tag, Transport, check_foreign, check_tag
@@ -52,8 +53,7 @@ SPIN_S = 50e-6                        # spin about one blocking wake-up's cost, 
 # ... or, waiting on a large message, about as long as its bytes take to copy (at
 # SPIN_BYTES_PER_S, a cross-core copy's pace) up to SPIN_MAX_S: a 1 MiB step's peer is busy
 # copying for ~100 us, and sleeping through that costs a futex wake-up (~100 us here) on top
-SPIN_BYTES_PER_S = 4e9
-SPIN_MAX_S = 1e-3
+SPIN_BYTES_PER_S, SPIN_MAX_S = settings.SPIN_BYTES_PER_S, settings.SPIN_MAX_S
 HOT_SPIN_S = 4e-6                     # poll without yielding first: the peer is usually running
 # A rank asleep on a futex word (shm alone) wakes at least this often to read its doorbell
 # sockets: a peer that died without a word (SIGKILL) is noticed within this bound.
