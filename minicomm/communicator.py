@@ -41,7 +41,7 @@ from .executor import LazyCheck, Plan, run_plan
 from .p2p import ANY_SOURCE, ANY_TAG, MAX_TAG, P2PEngine, Status
 from .schedule import ROOTED
 from .settings import env_debug, env_flag, env_timeout, timeout_arg
-from .smallpath import Guard, compile_small, eligible, run_small
+from .smallpath import SMALL_SPIN_S, Guard, compile_small, eligible, run_small, straight_line
 from .transports.base import ABORT_CALL, ABORT_KINDS, Tag
 from .window import Window
 
@@ -53,6 +53,8 @@ _new_tag = tuple.__new__               # Tag(...) without the namedtuple's Pytho
 _U8 = np.dtype(np.uint8)
 _EMPTY = np.empty(0, dtype=np.uint8)   # barrier's buffers (never written: zero elements)
 _get_ident = threading.get_ident
+_monotonic = time.monotonic
+_HOT_TMP_BYTES = 64 << 10              # a hot call keeps its own scratch up to this size
 
 # Context ids (Tag.comm). A communicator has a number, ``comm_id``, unique among the
 # communicators that share a transport; its collectives travel on context ``comm_id << 2`` and its
@@ -125,12 +127,20 @@ class _InPlace(np.ndarray):
 class _Call:
     """What ``_prepare`` derives from a call's signature (see there)."""
     __slots__ = ("coll", "algo", "call", "plan", "kernel", "rooted", "label", "requested",
-                 "small")
+                 "small", "hot", "tmp", "alias0", "count", "run")
 
-    def __init__(self, coll, algo, call, plan, kernel, rooted, label, requested, small=None):
+    def __init__(self, coll, algo, call, plan, kernel, rooted, label, requested, small=None,
+                 hot=False, dtype=None, count=0):
         self.coll, self.algo, self.call, self.plan, self.kernel = coll, algo, call, plan, kernel
         self.rooted, self.label, self.requested = rooted, label, requested
         self.small = small            # the plan compiled for the small-message path, or None
+        # an unrooted call on the small path runs it unrolled (smallpath.straight_line)
+        self.run = straight_line(small) if small is not None and not rooted else None
+        # ``hot``: such a call that ``Communicator._hot`` may run, with its own scratch ``tmp``
+        # and whether its input may alias its output (``alias0``)
+        self.hot, self.count = hot and self.run is not None, count
+        self.tmp = np.empty(plan.tmp_count, dtype=dtype) if self.hot else None
+        self.alias0 = plan.alias_safe(0) if self.hot else False
 
 
 class Communicator:
@@ -426,6 +436,7 @@ class Communicator:
             run_as = "broadcast" if coll == _SCATTER_META else coll
             algo = self._resolve_algorithm(run_as, algorithm, count * dtype.itemsize)
             plan = self._plan(run_as, algo, count, root)
+            small = self._small(plan, dtype)
             c = _Call(
                 coll=run_as, algo=algo,
                 call=pack_call(coll, op, algo, dtype, root if run_as in ROOTED else -1),
@@ -434,7 +445,9 @@ class Communicator:
                 rooted=run_as in ROOTED,
                 # what wait_all names in errors (they add the step and the call's number)
                 label=f"{coll} ({algo})", requested=algorithm not in (None, "auto"),
-                small=self._small(plan, dtype))
+                small=small, dtype=dtype, count=count,
+                hot=self.size > 1 and self.check != "full" and not self.debug_info
+                and plan.tmp_count * dtype.itemsize <= _HOT_TMP_BYTES)
             if len(self._calls) > 1024:
                 self._calls.clear()
             self._calls[key] = c
@@ -453,11 +466,35 @@ class Communicator:
         try:
             self._run_call_unchecked(c, inb, outb, count, shape, fingerprint)
         except CommError as e:
-            if self._closing_error is not None and not isinstance(e, (MismatchError,
-                                                                     PeerFailure)):
-                e = _same_error(self._closing_error)     # woken by close() from another thread
-            self._break(e)
-            raise e from None
+            self._fail(e)
+
+    def _fail(self, e: CommError):
+        """A call's error is final: break the communicator and raise it (see ``_break``)."""
+        if self._closing_error is not None and not isinstance(e, (MismatchError, PeerFailure)):
+            e = _same_error(self._closing_error)     # woken by close() from another thread
+        self._break(e)
+        raise e from None
+
+    def _hot(self, name: str, c: "_Call", inb: np.ndarray, outb: np.ndarray) -> bool:
+        """``_run_call`` of a ``hot`` call (unguarded, on the small path) made synchronously by
+        the thread that finds the communicator idle: the same steps with nothing recomputed.
+        False (nothing done): the general path must run it."""
+        if not self.small_path or inb.__class__ is _InPlace or not self._guard.acquire(False):
+            return False
+        self._busy_thread, self._depth, self.busy_with = _get_ident(), 1, name
+        try:
+            self._seq = seq = self._seq + 1
+            if inb is outb and not c.alias0:
+                inb = inb.copy()
+            try:
+                c.run((inb, outb, c.tmp), self.transport, c.kernel, self._ctx, seq, c.call,
+                      c.count, _monotonic() + self.timeout, c.label, SMALL_SPIN_S)
+            except CommError as e:
+                self._fail(e)
+        finally:
+            self._depth, self.busy_with, self._busy_thread = 0, None, None
+            self._guard.release()
+        return True
 
     def _run_call_unchecked(self, c: "_Call", inb: np.ndarray, outb: np.ndarray, count: int,
                             shape: Tuple[int, ...], fingerprint: bool) -> None:
@@ -488,7 +525,11 @@ class Communicator:
         if tmp is None or tmp.size < n:
             tmp = self._tmp(outb.dtype, n)
         tag = _new_tag(Tag, (self._ctx, seq, 0, c.call, count))
-        if c.small is not None and guard is None and self.small_path:
+        if c.run is not None and small_guard is None and self.small_path:
+            # latency-bound: the compiled plan (smallpath), unrolled
+            c.run((inb, outb, tmp[:n]), self.transport, c.kernel, self._ctx, seq, c.call,
+                  count, time.monotonic() + self.timeout, c.label, SMALL_SPIN_S)
+        elif c.small is not None and guard is None and self.small_path:
             # latency-bound: the compiled plan (smallpath), same schedule; a rooted call's
             # fingerprints travel with it (small_guard)
             run_small(c.small, self.transport, (inb, outb, tmp[:n]), c.kernel, tag,
@@ -572,9 +613,13 @@ class Communicator:
                     res, inb = np.empty(x.size, x.dtype), x
                 elif type(out) is np.ndarray and out.shape == x.shape and out.dtype == x.dtype \
                         and out.flags.c_contiguous:
-                    res, inb = out, self._separate(x, out, out)
+                    res, inb = out, (x if x is out else self._separate(x, out, out))
                 else:
                     res = None                # let the general path explain what is wrong
+                if res is not None and c.hot and self._hot("allreduce", c, inb, res):
+                    if op == _ops.AVG:
+                        res /= self.size
+                    return res
                 if res is not None:
                     self._enter("allreduce")
                     try:
@@ -723,6 +768,8 @@ class Communicator:
         # the hot case, as in allreduce: a synchronous barrier whose signature ran before
         if not async_op and not self._pending and not self._closed and self._broken is None:
             c = self._calls.get(("barrier", "none", algorithm, _U8, 0, 0))
+            if c is not None and c.hot and self._hot("barrier", c, _EMPTY, _EMPTY):
+                return None
             if c is not None:
                 self._enter("barrier")
                 try:

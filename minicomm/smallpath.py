@@ -276,3 +276,60 @@ def _take_fingerprints(guard: Guard, ranks, group, transport, deadline: float, w
     for r in ranks:
         if rows[r].tobytes() != mine.tobytes():
             guard.check()
+
+
+# ---------------------------------------------------------------------------- straight-line form
+def straight_line(plan: SmallPlan):
+    """``run_small`` for ``plan`` without a guard, as one generated function: the plan's loop
+    unrolled into straight-line code whose buffer indices, regions, peers and step indices are
+    constants (a latency-bound call spends most of its time interpreting the loop). Generated
+    from ``plan.steps`` -- the tuples ``check_compiled`` proved equal to the schedule -- op for
+    op in ``run_small``'s order; ``tests/test_smallpath.py`` checks that both issue the same
+    transport calls. Signature: ``run(bufs, transport, kernel, comm, seq, call, count, deadline,
+    what, spin)``."""
+    names = ("i", "o", "t")
+    lines = ["def run(bufs, transport, kernel, comm, seq, call, count, deadline, what, spin):",
+             "    i, o, t = bufs",
+             "    send_now, recv_now = transport.send_now, transport.recv_now"]
+
+    def region(b: int, lo: int, hi: int, whole: bool) -> str:
+        return names[b] if whole else f"{names[b]}[{lo}:{hi}]"
+    for k, local, sends, recvs in plan.steps:
+        for red, sb, so, db, do, n, whole in local:
+            d = names[db] if whole else f"{names[db]}[{do}:{do + n}]"
+            s = names[sb] if whole else f"{names[sb]}[{so}:{so + n}]"
+            lines.append(f"    kernel({d}, {s})" if red else f"    {d}[...] = {s}")
+        if not (sends or recvs):
+            continue
+        lines.append(f"    tag = _new_tag(Tag, (comm, seq, {k}, call, count))")
+        lines.append("    reqs = None")
+        for peer, b, lo, hi, whole in sends:
+            lines += [f"    v = {region(b, lo, hi, whole)}",
+                      f"    if not send_now({peer}, v, tag):",
+                      "        if reqs is None:",
+                      "            reqs = []",
+                      f"        reqs.append(transport.isend({peer}, v, tag))"]
+        if len(recvs) == 1:
+            peer, b, lo, hi, red, whole = recvs[0]
+            k_ = "kernel" if red else "None"
+            lines += [f"    v = {region(b, lo, hi, whole)}",
+                      f"    if not recv_now({peer}, v, tag, {k_}, spin if reqs is None else 0.0):",
+                      "        if reqs is None:",
+                      "            reqs = []",
+                      f"        reqs.append(transport.irecv({peer}, v, tag, {k_}))"]
+        elif recvs:
+            items = ", ".join(f"({peer}, {names[b]}[{lo}:{hi}], {'kernel' if red else 'None'})"
+                              for peer, b, lo, hi, red, _ in recvs)
+            lines += [f"    waiting = transport.recv_now_many([{items}], tag, "
+                      "spin if reqs is None else 0.0)",
+                      "    if waiting:",
+                      "        if reqs is None:",
+                      "            reqs = []",
+                      "        for peer, v, k in waiting:",
+                      "            reqs.append(transport.irecv(peer, v, tag, k))"]
+        lines += ["    if reqs is not None:",
+                  "        transport.wait_all(reqs, deadline, what)"]
+    scope = {"Tag": Tag, "_new_tag": _new_tag}
+    exec(compile("\n".join(lines) + "\n", f"<smallpath {plan.schedule.summary()}>", "exec"),
+         scope)
+    return scope["run"]

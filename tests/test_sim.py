@@ -859,3 +859,24 @@ def test_calibration_against_recorded_runs():
 def test_calibration_meets_the_issue_target():
     from minicomm.tuning import calibration as cal
     assert cal.geomean_error(_calibration_rows()) < CALIBRATION_BOUND
+
+
+def test_a_wait_for_a_large_message_spins_through_its_copy_time():
+    """A receiver whose message takes longer than ``spin`` to arrive falls asleep and pays
+    ``wake``; with ``spin_rate`` it spins about the message's copy time first (up to
+    ``spin_max``), as the progress engine does, and pays no wake-up unless the wait is longer;
+    ranks that share a core never spin longer."""
+    n = 1 << 18                                   # 1 MiB of float32
+    prog = engine.compile_schedules([[(Send(1, "in", 0, n),)], [(Recv(0, "out", 0, n),)]])
+    beta, wake = 2e-10, 100e-6                    # 1 MiB in, then out: ~105 us each
+    fixed = _host(0.0, 0.0, beta, wake=wake, spin=50e-6)
+    longer = _host(0.0, 0.0, beta, wake=wake, spin=50e-6, spin_rate=4e9, spin_max=1e-3)
+    t_fixed = engine.run_host(prog, (0, 0), fixed).time_s
+    t_long = engine.run_host(prog, (0, 0), longer).time_s
+    assert t_long == pytest.approx(4 * n * beta)            # copy-in, then copy-out
+    assert t_fixed == pytest.approx(t_long + wake)          # asleep after 50 us
+    capped = _host(0.0, 0.0, beta, wake=wake, spin=50e-6, spin_rate=4e9, spin_max=60e-6)
+    assert engine.run_host(prog, (0, 0), capped).time_s == pytest.approx(t_fixed)
+    shared = _host(0.0, 0.0, beta, wake=wake, spin=50e-6, spin_rate=4e9, spin_max=1e-3,
+                   cores=1)
+    assert engine.run_host(prog, (0, 0), shared).time_s > t_long

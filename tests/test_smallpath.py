@@ -275,3 +275,76 @@ def test_guarded_small_calls_name_a_mismatch_on_every_rank(case):
     assert any(kind == "MismatchError" for kind, _ in res), res
     if case == "shape":
         assert any("different shapes" in text for _, text in res), res
+
+
+class _Recorder:
+    """A transport that records every call the small path makes; ``send_now`` / ``recv_now``
+    succeed or not by a fixed pattern, so both forms meet the same fallbacks."""
+    small_bytes = 1 << 30
+
+    def __init__(self, bufs, pattern):
+        self.bufs, self.pattern, self.n, self.log = bufs, pattern, 0, []
+
+    def _where(self, v):
+        a = v.__array_interface__["data"][0]
+        for b, base in enumerate(self.bufs):
+            lo = base.__array_interface__["data"][0]
+            if lo <= a <= lo + base.nbytes:
+                return b, (a - lo) // base.itemsize, v.size
+        raise AssertionError("a view outside the call's buffers")
+
+    def _ok(self):
+        self.n += 1
+        return self.pattern[self.n % len(self.pattern)]
+
+    def send_now(self, peer, v, tag):
+        self.log.append(("send_now", peer, self._where(v), tuple(tag)))
+        return self._ok()
+
+    def recv_now(self, peer, v, tag, k, spin):
+        self.log.append(("recv_now", peer, self._where(v), tuple(tag), k is None, spin > 0))
+        return self._ok()
+
+    def recv_now_many(self, waiting, tag, spin):
+        self.log.append(("many", tuple((p, self._where(v), k is None) for p, v, k in waiting),
+                         tuple(tag), spin > 0))
+        return [w for w in waiting if not self._ok()]
+
+    def isend(self, peer, v, tag):
+        self.log.append(("isend", peer, self._where(v), tuple(tag)))
+        return peer
+
+    def irecv(self, peer, v, tag, k=None):
+        self.log.append(("irecv", peer, self._where(v), tuple(tag), k is None))
+        return peer
+
+    def wait_all(self, reqs, deadline, what):
+        self.log.append(("wait_all", tuple(reqs), what))
+
+
+@pytest.mark.parametrize("coll", COLLECTIVES)
+@pytest.mark.parametrize("algo", FAMILIES)
+def test_straight_line_form_makes_the_same_calls_as_run_small(coll, algo):
+    from minicomm.smallpath import run_small, straight_line
+    from minicomm.transports.base import Tag
+
+    def kernel(d, s):
+        d += s
+    for p in (2, 3, 4, 5):
+        topo = tuple(r * 2 // p for r in range(p)) if algo == "hier" else None
+        for count in (0, 1, 6):
+            for s in build_all(coll, algo, p, count, p - 1, topo):
+                sp = compile_small(s, range(10, 10 + p))
+                for pattern in ((True,), (False,), (True, False, False)):
+                    logs = []
+                    for form in ("loop", "straight"):
+                        bufs = (np.arange(max(s.in_count, 1), dtype=np.float64)[:s.in_count],
+                                np.zeros(s.out_count), np.zeros(sp.tmp_count))
+                        t = _Recorder(bufs, pattern)
+                        if form == "loop":
+                            run_small(sp, t, bufs, kernel, Tag(8, 3, 0, 99, count), 1.0, "w",
+                                      spin=1e-5)
+                        else:
+                            straight_line(sp)(bufs, t, kernel, 8, 3, 99, count, 1.0, "w", 1e-5)
+                        logs.append((t.log, [b.tolist() for b in bufs]))
+                    assert logs[0] == logs[1], (s.summary(), pattern)

@@ -72,6 +72,10 @@ def fence() -> None:
     _fence_lock.release()
 
 
+# fence() as its two calls, for hot paths that inline it (shm's small-message path)
+fence_acquire, fence_release = _fence_lock.acquire, _fence_lock.release
+
+
 class Req(Request):
     """A request of the shm / tcp engines: the base fields plus a byte view and a cursor."""
     __slots__ = ("engine", "u8", "nbytes", "off", "hdr")

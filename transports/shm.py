@@ -101,6 +101,8 @@ from minicomm.settings import byte_setting
 from . import cma, futex, segment
 from .base import ReduceFn, Request, Tag
 from .progress import CLEAN_CLOSE, Inbox, LinkEngine, Progress, Req, deliver, fence
+from .progress import fence_acquire as _fence_acquire
+from .progress import fence_release as _fence_release
 
 SHM_DIR = "/dev/shm"
 PAGE = 4096
@@ -454,11 +456,19 @@ class ShmTransport(LinkEngine):
         written): no room now, a send to ``peer`` is queued, or the link is closed -- the caller
         posts it with ``isend``."""
         p = self._peers.get(peer) or self._peer(peer)
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             if p.txq or p.closed is not None or buf.nbytes > EAGER or not self._put(p, buf, tag):
                 return False
-            fence()
-            self._ring_if_sleeping(p)
+            _fence_acquire()          # fence(), inline: this runs once per small message
+            _fence_release()
+            if p.flag_q[_SLEEPING]:
+                self._ring_if_sleeping(p)
+            else:
+                p.owed = False        # awake: nothing to ring (what _ring_if_sleeping decides)
+        finally:
+            lock.release()
         return True
 
     def recv_now(self, peer: int, buf: np.ndarray, tag: Tag, reduce: Optional[ReduceFn],
@@ -469,9 +479,12 @@ class ShmTransport(LinkEngine):
         consumed): the caller posts it with ``irecv``."""
         p = self._peers.get(peer) or self._peer(peer)
         lock = self._lock
-        with lock:
+        lock.acquire()
+        try:
             if p.rx_cur is None and self._take(p, buf, tag, reduce):
                 return True
+        finally:
+            lock.release()
         if spin <= 0.0 or p.rx_q is None:
             return False
         q, clock = p.rx_q, time.monotonic
@@ -553,8 +566,12 @@ class ShmTransport(LinkEngine):
         tail += HDR + ((n + 63) & ~63)
         p.rx_tail = tail
         p.rx_q[_TAIL] = tail          # hand the space back
-        fence()
-        self._ring_if_sleeping(p)
+        _fence_acquire()              # fence(), inline
+        _fence_release()
+        if p.flag_q[_SLEEPING]:
+            self._ring_if_sleeping(p)
+        else:
+            p.owed = False
         return True
 
     def _put(self, p: _Peer, buf: np.ndarray, tag: Tag) -> bool:
