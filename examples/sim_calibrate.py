@@ -53,8 +53,9 @@ def run_bench(path, transport, n, sizes, algos, colls, env, batches):
                               text=True, timeout=1800)
         if done.returncode == 0:
             break
-        print(f"#   failed (attempt {attempt + 1}): {done.stderr.strip().splitlines()[-1]}",
-              flush=True)
+        lines = done.stderr.strip().splitlines() or ["(no output)"]
+        cause = next((ln for ln in lines if "root cause" in ln), lines[-1])
+        print(f"#   failed (attempt {attempt + 1}): {cause}", flush=True)
     else:
         raise RuntimeError(f"benchmark failed 3 times: {' '.join(cmd)}")
     with open(path) as f:
