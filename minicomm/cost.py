@@ -109,9 +109,9 @@ RING_BYTES = {"shm": 4 << 20}
 # large are read by the receiver straight from the sender's memory, where the kernel allows it.
 SINGLE_COPY_MIN = {"shm": 2 << 20}
 # The small-message path (minicomm.smallpath) runs a call whose every message is at most this
-# large (the transport's ``small_bytes``: shm's EAGER) without the executor's request objects;
-# other calls, every rooted one (its fingerprints are guarded receives) and every call of a
-# world over several transports run through the executor (``LinkModel.exec_overhead``).
+# large (the transport's ``small_bytes``: shm's EAGER) without the executor's request objects,
+# a rooted one with its fingerprint exchange; other calls and every call of a world over several
+# transports run through the executor (``LinkModel.exec_overhead``).
 SMALL_BYTES = {"shm": 16 << 10}
 STREAM_CHUNK = 64 << 10
 # How long a waiting rank spins before it sleeps in the kernel: transports/progress.py SPIN_S
