@@ -196,7 +196,19 @@ class LandingEngine(LinkEngine):
             req.done = True
         else:
             link = self._by_peer[req.peer]
-            link.closed = link.closed or f"its {self.kind} write failed: {STATUS_TEXT[status]}"
+            if not link.closed:
+                self._write_failed(link, status)
+
+    def _write_failed(self, link: _Link, status: int) -> None:
+        """A write to ``link``'s peer failed: the link ends, naming the status and, where the
+        device knows it, the link's own reason (a protocol violation, an exit), whichever of the
+        failed write and the closed link was noticed first."""
+        self._link_failed(link, f"its {self.kind} write failed: {STATUS_TEXT[status]}")
+
+    def _link_failed(self, link: _Link, what: str) -> None:
+        """End ``link`` with ``what`` plus the link's own reason where the device knows it."""
+        why = getattr(self.device, "link_reason", lambda peer: None)(link.peer)
+        link.closed = f"{what} ({why})" if why else what
 
     def _peer_closed(self, peer: int, reason: str) -> None:
         link = self._by_peer.get(peer)
@@ -306,10 +318,7 @@ class LandingEngine(LinkEngine):
         status = self._write_record(link, pos, header, data, wr_id)
         link.sent += 1
         if status is not None and status != OK:
-            link.closed = f"its {self.kind} write failed: {STATUS_TEXT[status]}"
-            why = getattr(self.device, "closed_peers", {}).get(link.peer)
-            if why:                   # the link's own reason (a protocol violation, an exit)
-                link.closed += f" ({why})"
+            self._write_failed(link, status)
         return status
 
     def _pull(self, link: _Link) -> bool:

@@ -460,7 +460,7 @@ class Device:
         if not self.agent.send(peer, frame, [s.reshape(-1).view(np.uint8) for s in src]
                                if payload else None):
             self._pending.pop(op_id, None)
-            return PEER_DEAD, self.closed_peers.get(peer, "link closed")
+            return PEER_DEAD, self.link_reason(peer) or "link closed"
         return None
 
     def _local(self, peer, view, op, key, va, nbytes, token, src, dst, a, b, channel, imm):
@@ -632,6 +632,15 @@ class Device:
             # and say goodbye, which must not overtake the answer
             self._events.append(event)
             self._notify()
+
+    def link_reason(self, peer: int) -> Optional[str]:
+        """Why the link to ``peer`` ended, as soon as its agent connection recorded it (before
+        ``on_closed`` has run), or None while it is up."""
+        why = self.closed_peers.get(peer)
+        if why is None and self.agent is not None:
+            c = self.agent.conns.get(peer)
+            why = c.closed if c is not None else None
+        return why
 
     def on_closed(self, peer: int, reason: str) -> None:
         """A peer's link ended: fail what waits on it, wake the waiter."""

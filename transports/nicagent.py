@@ -74,7 +74,8 @@ class Conn:
 
     def __init__(self, peer: int, sock: socket.socket):
         self.peer, self.sock, self.fd = peer, sock, sock.fileno()
-        self.lock = threading.Lock()
+        # guards ``outq`` (re-entrant: a failed write in _flush ends the link, with it held)
+        self.lock = threading.RLock()
         self.outq: deque = deque()            # [memoryview, keepalive] not yet written
         self.rx = bytearray(STAGING)
         self.rx_mv = memoryview(self.rx)
@@ -307,7 +308,8 @@ class NicAgent:
     def _lost(self, c: Conn, reason: str) -> None:
         if c.closed is None:
             c.closed = reason
-            c.outq.clear()
+            with c.lock:              # the agent thread's reads end links too: never clear the
+                c.outq.clear()        # queue under another thread's _flush
             try:
                 self._ep.unregister(c.fd)
             except (OSError, ValueError):

@@ -392,7 +392,7 @@ class RdmaTransport(LandingEngine):
             else:
                 link = self._by_peer.get(wc.src)
                 if link is not None and link.closed is None:
-                    link.closed = f"its rdma write failed: {wc.status} ({wc.detail})"
+                    self._link_failed(link, f"its rdma write failed: {wc.status} ({wc.detail})")
         return bool(wcs)
 
     # ----------------------------------------------------------- one-sided RMA for windows

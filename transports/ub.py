@@ -601,7 +601,7 @@ class UbTransport(LandingEngine):
             else:
                 link = self._by_peer.get(cr.remote)
                 if link is not None and link.closed is None:
-                    link.closed = f"its ub write failed: {cr.status} ({cr.detail})"
+                    self._link_failed(link, f"its ub write failed: {cr.status} ({cr.detail})")
         return bool(crs)
 
     # ----------------------------------------------------------- one-sided RMA for windows

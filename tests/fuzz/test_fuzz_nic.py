@@ -147,3 +147,44 @@ def test_a_refused_link_records_its_reason_before_the_socket_is_shut():
     assert seen[1][0] == "shutdown" and "frame" in seen[1][1]
     a.close()
     b.close()
+
+
+def test_a_link_ended_by_the_agent_thread_never_empties_a_queue_being_flushed():
+    """A goodbye flushes the queue under the link's lock while the agent thread, reading EOF from
+    the same peer, may end the link and drop the queue (CI: IndexError in _flush at close). The
+    drop waits for the lock: here the other thread tries it in the middle of a write."""
+    import socket as _socket
+    import types
+
+    from minicomm.transports import nicagent
+    a, b = _socket.socketpair()
+    conn = nicagent.Conn(1, a)
+    agent = types.SimpleNamespace(
+        kind="rdma", _ep=types.SimpleNamespace(unregister=lambda fd: None),
+        handler=types.SimpleNamespace(on_closed=lambda peer, r: None))
+    agent._lost = lambda c, r: nicagent.NicAgent._lost(agent, c, r)
+    dropper = threading.Thread(target=agent._lost, args=(conn, "it closed its rdma link"))
+    held = []
+
+    class MidWrite:
+        """The socket as the agent sees it: the other thread ends the link mid-write."""
+        def fileno(self):
+            return a.fileno()
+
+        def sendmsg(self, iov, *args):
+            n = a.sendmsg(iov, *args)
+            dropper.start()
+            dropper.join(0.2)                # it must wait for the lock this flush holds
+            held.append(dropper.is_alive())
+            return n
+
+    conn.sock = MidWrite()
+    data = b"x" * 64
+    with conn.lock:
+        conn.outq.append([memoryview(data), data])
+        nicagent.NicAgent._flush(agent, conn)         # raised IndexError before the fix
+        assert not conn.outq
+    dropper.join(5.0)
+    assert held == [True] and not dropper.is_alive() and conn.closed
+    a.close()
+    b.close()
