@@ -378,14 +378,7 @@ class Communicator:
         """``_post_fingerprints`` for a call on the small-message path: the same messages (same
         sequence number and tag), sent and received by ``run_small`` (smallpath, "Guarded
         calls")."""
-        mine = self._fingerprint(call, count, shape)
-        seq = self._next_seq()
-        rows = np.empty((self.size, 3), dtype=np.int64)
-        rows[:] = mine
-
-        def check():
-            self._compare_fingerprints(rows, mine, call, count, seq)
-        return Guard(Tag(self._ctx, seq, 0, fingerprint_call(call), 3), mine, rows, check)
+        return Guard(*self._fingerprint_exchange(call, count, shape))
 
     def _post_fingerprints(self, call: int, count: int, shape: Tuple[int, ...]) -> LazyCheck:
         """The fingerprint check of a rooted call without its round trip: every rank sends its
@@ -394,19 +387,25 @@ class Communicator:
         before the call returns, so a disagreement (on the root above all: such ranks may never
         exchange data) is still a MismatchError on every rank, where otherwise a wait would
         time out. Same sequence number and tag as ``_fingerprint_check``'s allgather."""
-        mine = self._fingerprint(call, count, shape)
-        seq = self._next_seq()
-        tag = Tag(self._ctx, seq, 0, fingerprint_call(call), 3)     # names the checked call
-        rows = np.empty((self.size, 3), dtype=np.int64)
-        rows[self.rank] = mine
+        tag, mine, rows, check = self._fingerprint_exchange(call, count, shape)
         t = self.transport
         others = [r for r in range(self.size) if r != self.rank]
         recvs = [t.irecv(self.group[r], rows[r], tag) for r in others]
         sends = [t.isend(self.group[r], mine, tag) for r in others]   # 24 bytes: eager
+        return LazyCheck(recvs, check, sends)
+
+    def _fingerprint_exchange(self, call: int, count: int, shape: Tuple[int, ...]):
+        """What both forms of the lazy fingerprint check share: the tag (the next sequence
+        number; it names the checked call), this rank's fingerprint, the rows the peers' land
+        in (each holding ours until theirs arrives) and ``check()``, which compares them."""
+        mine = self._fingerprint(call, count, shape)
+        seq = self._next_seq()
+        rows = np.empty((self.size, 3), dtype=np.int64)
+        rows[:] = mine
 
         def check():
             self._compare_fingerprints(rows, mine, call, count, seq)
-        return LazyCheck(recvs, check, sends)
+        return Tag(self._ctx, seq, 0, fingerprint_call(call), 3), mine, rows, check
 
     def _compare_fingerprints(self, rows: np.ndarray, mine: np.ndarray, call: int, count: int,
                               seq: int) -> None:
@@ -613,7 +612,7 @@ class Communicator:
                     res, inb = np.empty(x.size, x.dtype), x
                 elif type(out) is np.ndarray and out.shape == x.shape and out.dtype == x.dtype \
                         and out.flags.c_contiguous:
-                    res, inb = out, (x if x is out else self._separate(x, out, out))
+                    res, inb = out, self._separate(x, out, out)
                 else:
                     res = None                # let the general path explain what is wrong
                 if res is not None and c.hot and self._hot("allreduce", c, inb, res):

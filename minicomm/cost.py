@@ -61,8 +61,10 @@ Link parameters (``LinkModel``): per link class (intra-node, inter-node) α (one
 contention, the node's cores and the transports' spin before sleeping; ``table``, the tuned
 table's lookup (``table_index`` of ``minicomm.tuning.load_table``'s entries). Without a
 measurement, ``LinkModel.for_transports`` gives the constants ``DEFAULT_LINKS``, ``GAMMA``,
-``DELTA``, ``WAKE``. Transport facts the model mirrors (``SPIN_S``, ``PIPELINE_CHUNK``) are
+``DELTA``, ``WAKE``. Transport facts the model mirrors (``PIPELINE_CHUNK``, ``RING_BYTES``) are
 constants here, not imports (the transports are not below this layer); a test keeps them equal.
+The spin times (``SPIN_S`` and the long spin for large messages) are shared with the progress
+engine through ``minicomm.settings``.
 
 Cost: ``choose`` is one dict lookup after the first call per (collective, p, bytes, topology)
 (~0.5 us); a first call simulates every family's p schedules: ~2 ms at p = 4, ~45 ms at p = 16
@@ -80,7 +82,7 @@ import numpy as np
 
 from .algorithms import FAMILIES
 from .schedule import COLLECTIVES, ROOTED
-from .settings import SPIN_BYTES_PER_S, SPIN_MAX_S
+from .settings import SPIN_BYTES_PER_S, SPIN_MAX_S, SPIN_S
 from .sim import engine
 from .sim.engine import HostLink, HostModel
 
@@ -114,9 +116,6 @@ SINGLE_COPY_MIN = {"shm": 2 << 20}
 # transports run through the executor (``LinkModel.exec_overhead``).
 SMALL_BYTES = {"shm": 16 << 10}
 STREAM_CHUNK = 64 << 10
-# How long a waiting rank spins before it sleeps in the kernel: transports/progress.py SPIN_S
-# (mirrored, not imported: transports are not below the cost model).
-SPIN_S = 50e-6
 # Work on a core shared by several ranks runs at share / (1 + SHARING_LOSS * (1 - share)): time
 # slicing costs switches and cache refills. Fitted on the 2-core reference box (4 ranks on 2
 # cores: any value in 0.5..2 makes the model pick the measured best); not measured at start.

@@ -15,9 +15,11 @@ import os
 from typing import Iterable, Mapping, Optional
 
 DEFAULT_TIMEOUT = 300.0     # seconds a blocking wait may last when nothing says otherwise
-# How long a waiting rank with a core to itself spins for a large message before it sleeps:
+# How long a waiting rank spins before it sleeps in the kernel (about one blocking wake-up's
+# cost) ... and, with a core to itself, for a large message:
 # about as long as the message's bytes take to copy at SPIN_BYTES_PER_S, at most SPIN_MAX_S
 # (transports/progress.py waits so; the cost model and the simulator price it)
+SPIN_S = 50e-6
 SPIN_BYTES_PER_S = 4e9
 SPIN_MAX_S = 1e-3
 

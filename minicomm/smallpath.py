@@ -272,9 +272,9 @@ def _take_fingerprints(guard: Guard, ranks, group, transport, deadline: float, w
         row = rows[r]
         if not transport.recv_now(group[r], row, t, None, spin):
             transport.wait_all([transport.irecv(group[r], row, t)], deadline, what)
-    mine = guard.mine
+    mine = guard.mine.tobytes()
     for r in ranks:
-        if rows[r].tobytes() != mine.tobytes():
+        if rows[r].tobytes() != mine:
             guard.check()
 
 

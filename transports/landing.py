@@ -197,17 +197,12 @@ class LandingEngine(LinkEngine):
         else:
             link = self._by_peer[req.peer]
             if not link.closed:
-                self._write_failed(link, status)
-
-    def _write_failed(self, link: _Link, status: int) -> None:
-        """A write to ``link``'s peer failed: the link ends, naming the status and, where the
-        device knows it, the link's own reason (a protocol violation, an exit), whichever of the
-        failed write and the closed link was noticed first."""
-        self._link_failed(link, f"its {self.kind} write failed: {STATUS_TEXT[status]}")
+                self._link_failed(link, f"its {self.kind} write failed: {STATUS_TEXT[status]}")
 
     def _link_failed(self, link: _Link, what: str) -> None:
-        """End ``link`` with ``what`` plus the link's own reason where the device knows it."""
-        why = getattr(self.device, "link_reason", lambda peer: None)(link.peer)
+        """End ``link`` with ``what`` plus the link's own reason (a protocol violation, an exit)
+        where the device knows it, whichever of the two was noticed first."""
+        why = self.device.link_reason(link.peer)
         link.closed = f"{what} ({why})" if why else what
 
     def _peer_closed(self, peer: int, reason: str) -> None:
@@ -318,7 +313,7 @@ class LandingEngine(LinkEngine):
         status = self._write_record(link, pos, header, data, wr_id)
         link.sent += 1
         if status is not None and status != OK:
-            self._write_failed(link, status)
+            self._link_failed(link, f"its {self.kind} write failed: {STATUS_TEXT[status]}")
         return status
 
     def _pull(self, link: _Link) -> bool:

@@ -49,11 +49,10 @@ CLEAN_CLOSE = "it closed its transport"
 # Bytes of out-of-the-way messages one link may hold (see Inbox.match_header).
 UNEXPECTED_LIMIT = byte_setting("MINICOMM_UNEXPECTED_BYTES", 256 << 20)   # a peer's orderly goodbye, not a crash
 EDGE = select.EPOLLIN | select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
-SPIN_S = 50e-6                        # spin about one blocking wake-up's cost, then sleep
-# ... or, waiting on a large message, about as long as its bytes take to copy (at
-# SPIN_BYTES_PER_S, a cross-core copy's pace) up to SPIN_MAX_S: a 1 MiB step's peer is busy
-# copying for ~100 us, and sleeping through that costs a futex wake-up (~100 us here) on top
-SPIN_BYTES_PER_S, SPIN_MAX_S = settings.SPIN_BYTES_PER_S, settings.SPIN_MAX_S
+# Spin SPIN_S, then sleep; or, waiting on a large message, about as long as its bytes take to
+# copy (at SPIN_BYTES_PER_S, a cross-core copy's pace) up to SPIN_MAX_S: a 1 MiB step's peer is
+# busy copying for ~100 us, and sleeping through that costs a futex wake-up (~100 us here) on top
+SPIN_S, SPIN_BYTES_PER_S, SPIN_MAX_S = settings.SPIN_S, settings.SPIN_BYTES_PER_S, settings.SPIN_MAX_S
 HOT_SPIN_S = 4e-6                     # poll without yielding first: the peer is usually running
 # A rank asleep on a futex word (shm alone) wakes at least this often to read its doorbell
 # sockets: a peer that died without a word (SIGKILL) is noticed within this bound.
@@ -354,11 +353,8 @@ class Progress:
         # ranks than cores or other load on the machine, gets it), then block.
         hot_until = spin_until = started
         hot, spin = self.hot_spin, SPIN_S
+        longer = self.spin and self.spin_long   # priced once, when the short spin runs out
         if self.spin:
-            if self.spin_long:
-                biggest = max(r.nbytes for r in reqs if not r.done) / SPIN_BYTES_PER_S
-                if biggest > spin:
-                    spin = biggest if biggest < SPIN_MAX_S else SPIN_MAX_S
             hot_until += hot
             spin_until += spin
         while True:
@@ -391,6 +387,12 @@ class Progress:
                     if self.spin:
                         hot_until, spin_until = now + hot, now + spin
                     continue
+                if now >= spin_until and longer:
+                    longer = False            # a large message: spin about its copy time
+                    want = max(r.nbytes for r in reqs if not r.done) / SPIN_BYTES_PER_S
+                    if want > spin:
+                        spin = want if want < SPIN_MAX_S else SPIN_MAX_S
+                        spin_until += spin - SPIN_S
                 if now >= spin_until:
                     # about to block: a message from any peer may prove the call cannot complete
                     for e in self.engines:
