@@ -4,6 +4,9 @@ A schedule is compiled once per (schedule, communicator) into a ``Plan``: per st
 and the (world peer, buffer, slice, reduce?) of every message, so that a call does no per-op
 lookups beyond slicing the caller's arrays. Per step the executor runs the local ops, posts every
 receive, then every send, then waits for all of them: exactly the semantics the verifier proved.
+One reordering that cannot change a result: a send that reads no region the step's local ops
+write is posted before them (``_early_sends``), so a root's copy of its own block does not hold
+back the messages to its peers (with registered memory they read it in place meanwhile).
 Receives with ``reduce=True`` hand the transport a kernel that reduces straight from its landing
 memory into the destination (no staging copy).
 
@@ -44,12 +47,13 @@ def _copy_pieces(d: np.ndarray, s: np.ndarray) -> None:
 class Plan:
     """A schedule compiled for one communicator: peers already translated to world ranks.
 
-    ``steps``: per step ``(local, posts)``; ``local`` holds (kind, src buffer, src offset, dst
-    buffer, dst offset, count, whole) with buffers as indices into (in, out, tmp) and ``whole``
-    saying both regions are entire buffers; ``posts`` holds, in
-    posting order (receives, then sends), (is_send, world peer, buffer, lo, hi, whole, reduce,
-    fused) where ``whole`` says the slice is the entire buffer, and ``fused`` is the ``in`` offset
-    of a copy folded into a reduce-receive (-1: none)."""
+    ``steps``: per step ``(early, local, posts)``. ``local`` holds (kind, src buffer, src
+    offset, dst buffer, dst offset, count, whole) with buffers as indices into (in, out, tmp)
+    and ``whole`` saying both regions are entire buffers. ``posts`` holds, in posting order
+    (receives, then sends), (is_send, world peer, buffer, lo, hi, whole, reduce, fused) where
+    ``whole`` says the slice is the entire buffer, and ``fused`` is the ``in`` offset of a copy
+    folded into a reduce-receive (-1: none). ``early`` holds, in the same form, the sends
+    posted before the local ops (``_early_sends``); ``posts`` then has the rest."""
     __slots__ = ("schedule", "steps", "tmp_count", "_alias")
 
     def __init__(self, schedule: Schedule, world_ranks: Sequence[int]):
@@ -78,7 +82,8 @@ class Plan:
                              and o.dst_offset == 0 and o.count == sizes[db])
                     local.append((_LOCAL_COPY if isinstance(o, Copy) else _LOCAL_REDUCE,
                                   sb, o.src_offset, db, o.dst_offset, o.count, whole))
-            steps.append((tuple(local), tuple(recvs + sends)))
+            early, late = _early_sends(sends, local)
+            steps.append((early, tuple(local), tuple(recvs) + late))
         self.steps = tuple(steps)
 
     def alias_safe(self, shift: int) -> bool:
@@ -87,6 +92,22 @@ class Plan:
         if ok is None:
             ok = self._alias[shift] = alias_safe(self.schedule.steps, shift)
         return ok
+
+
+def _early_sends(sends: list, local: list):
+    """Split a step's sends into those posted before its local ops and the rest. A send goes
+    first when no local op of the step writes the region it reads, and no other send to its peer
+    must wait (per-peer order is the order receives match in): the bytes it carries are the same
+    either way, and it starts moving while the local ops run -- a root's copy of its own block
+    (scatter, alltoall) no longer delays the messages to its peers. Under an in-place call the
+    names are enough: ``alias_safe`` already refuses plans where a send from ``in`` reads what a
+    local op of its step writes. Returns (early, late) as tuples, each in posting order."""
+    def written(b: int, lo: int, hi: int) -> bool:
+        return any(db == b and do < hi and lo < do + n and n > 0
+                   for _, _, _, db, do, n, _ in local)
+    late_peers = {s[1] for s in sends if written(s[2], s[3], s[4])}
+    early = tuple(s for s in sends if s[1] not in late_peers)
+    return early, tuple(s for s in sends if s[1] in late_peers)
 
 
 def _fusable(step) -> dict:
@@ -214,8 +235,14 @@ def run_plan(plan: Plan, transport, bufs, kernel, tag: Tag, deadline: float, wha
             guard.wait(transport, reqs, dl, w)
     comm, seq, call, count = tag[0], tag[1], tag[3], tag[4]
     i = -1
-    for local, posts in plan.steps:
+    for early, local, posts in plan.steps:
         i += 1
+        if early:
+            t = _new_tag(Tag, (comm, seq, i, call, count))
+            reqs = [isend(peer, bufs[b] if whole else bufs[b][lo:hi], t)
+                    for _, peer, b, lo, hi, whole, _, _ in early]
+        else:
+            reqs = None
         for kind, sb, so, db, do, n, whole in local:
             if whole:
                 d, s = bufs[db], bufs[sb]
@@ -228,9 +255,12 @@ def run_plan(plan: Plan, transport, bufs, kernel, tag: Tag, deadline: float, wha
             else:
                 _copy_pieces(d, s)
         if not posts:
+            if reqs:
+                wait_all(reqs, deadline, what)
             continue
-        t = _new_tag(Tag, (comm, seq, i, call, count))
-        reqs = []
+        if reqs is None:
+            t = _new_tag(Tag, (comm, seq, i, call, count))
+            reqs = []
         for is_send, peer, b, lo, hi, whole, red, fused in posts:
             view = bufs[b] if whole else bufs[b][lo:hi]
             if is_send:

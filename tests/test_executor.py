@@ -7,7 +7,7 @@ import pytest
 import minicomm as mc
 from minicomm.algorithms import build_schedule
 from minicomm.executor import FUSE_MIN_COUNT, Plan, alias_safe
-from minicomm.schedule import IN, OUT, Copy, Recv, Send
+from minicomm.schedule import IN, OUT, Copy, Recv, ScheduleBuilder, Send
 
 FAMILIES = ("ring", "tree", "rhd", "hier")
 COUNTS = (1, 7, FUSE_MIN_COUNT + 3)      # the last one takes the fused path
@@ -69,11 +69,38 @@ def _fused_allreduce(comm):
 
 def test_fused_copy_reduce_receive_over_shm():
     plan = Plan(build_schedule("allreduce", "rhd", 0, 2, FUSE_MIN_COUNT * 3 + 1), [0, 1])
-    assert any(post[7] >= 0 for _, posts in plan.steps for post in posts)   # it is fused
+    assert any(post[7] >= 0 for _, _, posts in plan.steps for post in posts)   # it is fused
     n = FUSE_MIN_COUNT * 3 + 1
     want = 2 * np.arange(n, dtype=np.float32) + 1
     for got in mc.spawn(_fused_allreduce, 2, transport="shm", timeout=60):
         assert np.array_equal(got, want)
+
+
+def _posted(plan):
+    """Per step: the peers of the early sends and of the sends posted after the local ops."""
+    return [([s[1] for s in early], [s[1] for s in posts if s[0]])
+            for early, _, posts in plan.steps]
+
+
+def test_sends_independent_of_local_ops_go_before_them():
+    # a scatter root copies its own block and sends the others' blocks from `in`: the send
+    # need not wait for the copy
+    root = Plan(build_schedule("scatter", "tree", 0, 4, 64), [0, 1, 2, 3])
+    assert _posted(root)[0] == ([2], [])
+    assert root.steps[0][1], "the root's copy of its own block stays a local op"
+    # ring allgather's first send reads the block the step's copy writes: it must wait
+    ag = Plan(build_schedule("allgather", "ring", 1, 3, 64), [0, 1, 2])
+    assert _posted(ag)[0] == ([], [2])
+
+
+def test_early_sends_keep_each_peers_order():
+    b = ScheduleBuilder("scatter", "ring", 0, 3, 4)
+    # to peer 1: the first send reads `out` where the copy writes, so the second (independent)
+    # one may not overtake it; the send to peer 2 goes first
+    b.step(Copy(IN, 0, OUT, 0, 4), Send(1, OUT, 0, 4), Send(1, IN, 4, 4), Send(2, IN, 8, 4))
+    plan = Plan(b.build(), [0, 1, 2])
+    assert _posted(plan) == [([2], [1, 1])]
+    assert [s[3] for s in plan.steps[0][2]] == [0, 4]         # peer 1's sends in schedule order
 
 
 def test_alias_safe_negative_controls():
