@@ -130,12 +130,12 @@ class _Call:
                  "small", "hot", "tmp", "alias0", "count", "run")
 
     def __init__(self, coll, algo, call, plan, kernel, rooted, label, requested, small=None,
-                 hot=False, dtype=None, count=0):
+                 hot=False, dtype=None, count=0, exchange=False):
         self.coll, self.algo, self.call, self.plan, self.kernel = coll, algo, call, plan, kernel
         self.rooted, self.label, self.requested = rooted, label, requested
         self.small = small            # the plan compiled for the small-message path, or None
         # an unrooted call on the small path runs it unrolled (smallpath.straight_line)
-        self.run = straight_line(small) if small is not None and not rooted else None
+        self.run = straight_line(small, exchange) if small is not None and not rooted else None
         # ``hot``: such a call that ``Communicator._hot`` may run, with its own scratch ``tmp``
         # and whether its input may alias its output (``alias0``)
         self.hot, self.count = hot and self.run is not None, count
@@ -445,6 +445,7 @@ class Communicator:
                 # what wait_all names in errors (they add the step and the call's number)
                 label=f"{coll} ({algo})", requested=algorithm not in (None, "auto"),
                 small=small, dtype=dtype, count=count,
+                exchange=hasattr(self.transport, "sendrecv_now"),
                 hot=self.size > 1 and self.check != "full" and not self.debug_info
                 and plan.tmp_count * dtype.itemsize <= _HOT_TMP_BYTES)
             if len(self._calls) > 1024:
@@ -583,6 +584,8 @@ class Communicator:
         view: ``_run_call`` copies it only if the plan is not ``alias_safe`` at that offset."""
         if out is None or inflat is outflat:
             return inflat
+        if inflat.base is None and outflat.base is None:
+            return inflat             # two arrays that own their memory: never the same bytes
         # both are contiguous and 1-D here, so overlapping bounds mean shared memory
         if not np.may_share_memory(inflat, outflat):
             return inflat

@@ -279,18 +279,22 @@ def _take_fingerprints(guard: Guard, ranks, group, transport, deadline: float, w
 
 
 # ---------------------------------------------------------------------------- straight-line form
-def straight_line(plan: SmallPlan):
+def straight_line(plan: SmallPlan, exchange: bool = False):
     """``run_small`` for ``plan`` without a guard, as one generated function: the plan's loop
     unrolled into straight-line code whose buffer indices, regions, peers and step indices are
     constants (a latency-bound call spends most of its time interpreting the loop). Generated
     from ``plan.steps`` -- the tuples ``check_compiled`` proved equal to the schedule -- op for
     op in ``run_small``'s order; ``tests/test_smallpath.py`` checks that both issue the same
     transport calls. Signature: ``run(bufs, transport, kernel, comm, seq, call, count, deadline,
-    what, spin)``."""
+    what, spin)``. ``exchange``: the transport has ``sendrecv_now`` (shm), which a step whose
+    one send and one receive are with the same peer calls instead of the two (the same calls,
+    in one: ``send_now``, then ``recv_now`` only if the send went)."""
     names = ("i", "o", "t")
     lines = ["def run(bufs, transport, kernel, comm, seq, call, count, deadline, what, spin):",
              "    i, o, t = bufs",
              "    send_now, recv_now = transport.send_now, transport.recv_now"]
+    if exchange:
+        lines.append("    sendrecv_now = transport.sendrecv_now")
 
     def region(b: int, lo: int, hi: int, whole: bool) -> str:
         return names[b] if whole else f"{names[b]}[{lo}:{hi}]"
@@ -302,6 +306,21 @@ def straight_line(plan: SmallPlan):
         if not (sends or recvs):
             continue
         lines.append(f"    tag = _new_tag(Tag, (comm, seq, {k}, call, count))")
+        if exchange and len(sends) == 1 and len(recvs) == 1 and sends[0][0] == recvs[0][0]:
+            peer, b, lo, hi, whole = sends[0]
+            _, rb, rlo, rhi, red, rwhole = recvs[0]
+            sv, rv, k_ = region(b, lo, hi, whole), region(rb, rlo, rhi, rwhole), \
+                "kernel" if red else "None"
+            lines += [f"    r = sendrecv_now({peer}, {sv}, {rv}, tag, {k_}, spin)",
+                      "    if r != 3:",
+                      "        if r == 0:",
+                      f"            reqs = [transport.isend({peer}, {sv}, tag)]",
+                      f"            if not recv_now({peer}, {rv}, tag, {k_}, 0.0):",
+                      f"                reqs.append(transport.irecv({peer}, {rv}, tag, {k_}))",
+                      "        else:",
+                      f"            reqs = [transport.irecv({peer}, {rv}, tag, {k_})]",
+                      "        transport.wait_all(reqs, deadline, what)"]
+            continue
         lines.append("    reqs = None")
         for peer, b, lo, hi, whole in sends:
             lines += [f"    v = {region(b, lo, hi, whole)}",

@@ -305,6 +305,12 @@ class _Recorder:
         self.log.append(("recv_now", peer, self._where(v), tuple(tag), k is None, spin > 0))
         return self._ok()
 
+    def sendrecv_now(self, peer, sv, rv, tag, k, spin):
+        # by its definition: send_now, then recv_now only if the send went
+        if not self.send_now(peer, sv, tag):
+            return 0
+        return 3 if self.recv_now(peer, rv, tag, k, spin) else 1
+
     def recv_now_many(self, waiting, tag, spin):
         self.log.append(("many", tuple((p, self._where(v), k is None) for p, v, k in waiting),
                          tuple(tag), spin > 0))
@@ -337,7 +343,7 @@ def test_straight_line_form_makes_the_same_calls_as_run_small(coll, algo):
                 sp = compile_small(s, range(10, 10 + p))
                 for pattern in ((True,), (False,), (True, False, False)):
                     logs = []
-                    for form in ("loop", "straight"):
+                    for form in ("loop", "straight", "exchange"):
                         bufs = (np.arange(max(s.in_count, 1), dtype=np.float64)[:s.in_count],
                                 np.zeros(s.out_count), np.zeros(sp.tmp_count))
                         t = _Recorder(bufs, pattern)
@@ -345,6 +351,7 @@ def test_straight_line_form_makes_the_same_calls_as_run_small(coll, algo):
                             run_small(sp, t, bufs, kernel, Tag(8, 3, 0, 99, count), 1.0, "w",
                                       spin=1e-5)
                         else:
-                            straight_line(sp)(bufs, t, kernel, 8, 3, 99, count, 1.0, "w", 1e-5)
+                            straight_line(sp, form == "exchange")(
+                                bufs, t, kernel, 8, 3, 99, count, 1.0, "w", 1e-5)
                         logs.append((t.log, [b.tolist() for b in bufs]))
-                    assert logs[0] == logs[1], (s.summary(), pattern)
+                    assert logs[0] == logs[1] == logs[2], (s.summary(), pattern)

@@ -214,6 +214,11 @@ class FaultTransport(Transport):
         ``__getattr__`` (tests/chaos/test_fault.py checks it)."""
         return False
 
+    def sendrecv_now(self, peer: int, sbuf, rbuf, tag: Tag, reduce, spin: float) -> int:
+        """shm's fused ``send_now`` + ``recv_now``: never taken here either (0: nothing sent),
+        for the same reason."""
+        return 0
+
     def isend(self, peer: int, buf, tag: Tag) -> Request:
         if peer == self.rank:
             return self.inner_transport.isend(peer, buf, tag)

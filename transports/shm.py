@@ -485,6 +485,36 @@ class ShmTransport(LinkEngine):
                 return True
         finally:
             lock.release()
+        return self._take_within(p, buf, tag, reduce, spin)
+
+    def sendrecv_now(self, peer: int, sbuf: np.ndarray, rbuf: np.ndarray, tag: Tag,
+                     reduce: Optional[ReduceFn], spin: float) -> int:
+        """``send_now(peer, sbuf, tag)`` and, if it went, ``recv_now(peer, rbuf, tag, reduce,
+        spin)``, as one call: a step that exchanges with one peer (every step of a 2-rank call,
+        each round of recursive doubling) looks the peer up and takes the lock once. Returns 0
+        (nothing sent, nothing received: the caller goes on as after a failed ``send_now``),
+        1 (sent; the receive is the caller's to post) or 3 (both done)."""
+        p = self._peers.get(peer) or self._peer(peer)
+        lock = self._lock
+        lock.acquire()
+        try:
+            if p.txq or p.closed is not None or sbuf.nbytes > EAGER or not self._put(p, sbuf, tag):
+                return 0
+            _fence_acquire()          # as send_now
+            _fence_release()
+            if p.flag_q[_SLEEPING]:
+                self._ring_if_sleeping(p)
+            else:
+                p.owed = False
+            if p.rx_cur is None and self._take(p, rbuf, tag, reduce):
+                return 3
+        finally:
+            lock.release()
+        return 3 if self._take_within(p, rbuf, tag, reduce, spin) else 1
+
+    def _take_within(self, p: _Peer, buf: np.ndarray, tag: Tag, reduce: Optional[ReduceFn],
+                     spin: float) -> bool:
+        """``recv_now``'s wait: poll ``p``'s ring for up to ``spin`` seconds, then ``_take``."""
         if spin <= 0.0 or p.rx_q is None:
             return False
         q, clock = p.rx_q, time.monotonic
@@ -499,7 +529,7 @@ class ShmTransport(LinkEngine):
                 return False
             if now > hot_end:
                 os.sched_yield()
-        with lock:
+        with self._lock:
             return p.rx_cur is None and self._take(p, buf, tag, reduce)
 
     def recv_now_many(self, waiting: list, tag: Tag, spin: float) -> list:
