@@ -64,7 +64,10 @@ measurement, ``LinkModel.for_transports`` gives the constants ``DEFAULT_LINKS``,
 ``DELTA``, ``WAKE``. Transport facts the model mirrors (``PIPELINE_CHUNK``, ``RING_BYTES``) are
 constants here, not imports (the transports are not below this layer); a test keeps them equal.
 The spin times (``SPIN_S`` and the long spin for large messages) are shared with the progress
-engine through ``minicomm.settings``.
+engine through ``minicomm.settings``. Where a node's ranks outnumber its cores the engine spins
+longer (``SPIN_SHARED_S``) but yields the core between polls; the model keeps ``spin`` there
+and charges such a node's sleepers no wake-up (the engine's ``shared`` nodes), which the longer
+yielding spin makes closer to what happens.
 
 Cost: ``choose`` is one dict lookup after the first call per (collective, p, bytes, topology)
 (~0.5 us); a first call simulates every family's p schedules: ~2 ms at p = 4, ~45 ms at p = 16

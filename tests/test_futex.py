@@ -98,3 +98,47 @@ def test_a_peer_dying_while_we_sleep_on_the_futex_is_noticed():
     with pytest.raises(mc.SpawnError) as ei:
         mc.spawn(_dies_while_peer_sleeps, world_size=2, transport="shm", timeout=120)
     assert "rank 1" in str(ei.value)
+
+
+class _IdleEngine:
+    """A progress engine with nothing ever arriving: it records when the waiter gave up
+    spinning (its first ``sleep(True)``)."""
+    name, rank, futex_ok = "idle", 0, False
+
+    def __init__(self, oversubscribed: bool):
+        self.oversubscribed = oversubscribed
+        self.slept_at = None
+
+    def progress(self):
+        return False
+
+    def check(self, req, what):
+        pass
+
+    def sleep(self, flag):
+        if flag and self.slept_at is None:
+            self.slept_at = time.monotonic()
+
+
+@pytest.mark.parametrize("oversubscribed", [False, True])
+def test_a_waiter_spins_about_a_wake_up_before_it_sleeps_when_ranks_share_cores(oversubscribed):
+    # ranks that outnumber the cores yield between polls for SPIN_SHARED_S (a wake-up's cost
+    # there) before sleeping; ranks with a core each spin SPIN_S (or a large message's copy time)
+    from minicomm.errors import CommTimeout
+    from minicomm.settings import SPIN_S, SPIN_SHARED_S
+    from minicomm.transports.base import Tag
+    from minicomm.transports.progress import Progress, Req
+    assert SPIN_SHARED_S > SPIN_S
+    prog, engine = Progress(), _IdleEngine(oversubscribed)
+    prog.attach(engine, spin=True)
+    try:
+        assert (prog.spin_s, prog.hot_spin == 0.0, prog.spin_long) == (
+            (SPIN_SHARED_S, True, False) if oversubscribed else (SPIN_S, False, True))
+        req = Req(engine, 1, np.zeros(8, dtype=np.uint8), Tag(4, 1, 0, 1, 8), None, False)
+        start = time.monotonic()
+        with pytest.raises(CommTimeout):
+            prog.wait([req], start + 0.2, "idle wait")
+        assert engine.slept_at is not None, "it never went to sleep"
+        assert engine.slept_at - start >= prog.spin_s
+    finally:
+        prog.detach(engine)

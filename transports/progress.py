@@ -9,7 +9,8 @@ unprogressed ones, and a routed rank drives shm and tcp peers in the same loop.
 Waiting. After a pass that moved nothing, the caller spins briefly (hot for ``HOT_SPIN_S``
 unless an engine says its node's ranks outnumber the cores, then ``os.sched_yield`` between
 passes, so ranks sharing a core hand it over; ``SPIN_S`` in all, or for a large message about
-its copy time, at most ``SPIN_MAX_S``, when the ranks have a core each), then blocks in ``epoll_wait`` on every engine's file
+its copy time, at most ``SPIN_MAX_S``, when the ranks have a core each; ``SPIN_SHARED_S``, about
+a wake-up's cost, when they do not), then blocks in ``epoll_wait`` on every engine's file
 descriptors until the deadline -- or, when the only engine is shm with a futex word
 (``futex_ok``), in ``futex(FUTEX_WAIT)`` on that word, in slices of ``FUTEX_SLICE_S`` after each of
 which ``epoll_wait(0)`` reads the doorbell sockets (a peer's EOF or abort). Before blocking it tells the engines (``sleep(True)``: shm raises
@@ -53,6 +54,7 @@ EDGE = select.EPOLLIN | select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
 # copy (at SPIN_BYTES_PER_S, a cross-core copy's pace) up to SPIN_MAX_S: a 1 MiB step's peer is
 # busy copying for ~100 us, and sleeping through that costs a futex wake-up (~100 us here) on top
 SPIN_S, SPIN_BYTES_PER_S, SPIN_MAX_S = settings.SPIN_S, settings.SPIN_BYTES_PER_S, settings.SPIN_MAX_S
+SPIN_SHARED_S = settings.SPIN_SHARED_S   # the spin when ranks outnumber cores (it yields)
 HOT_SPIN_S = 4e-6                     # poll without yielding first: the peer is usually running
 # A rank asleep on a futex word (shm alone) wakes at least this often to read its doorbell
 # sockets: a peer that died without a word (SIGKILL) is noticed within this bound.
@@ -256,6 +258,7 @@ class Progress:
         self.spin = False             # spin before blocking: some engine polls memory
         self.hot_spin = HOT_SPIN_S    # poll without yielding first (0: ranks outnumber cores)
         self.spin_long = True         # spin longer for large messages (not when oversubscribed)
+        self.spin_s = SPIN_S          # the spin before sleeping (SPIN_SHARED_S: oversubscribed)
         self._handlers: Dict[int, Callable[[int], None]] = {}
         self._polling = False
         self._waiters = 0             # threads in cv.wait: notify only when there are some
@@ -302,6 +305,7 @@ class Progress:
             if getattr(engine, "oversubscribed", False):
                 self.hot_spin = 0.0   # a peer may need our core: yield from the first poll
                 self.spin_long = False
+                self.spin_s = SPIN_SHARED_S   # yielding, for about a wake-up's cost
 
     def register(self, fd: int, handler: Callable[[int], None]) -> None:
         """``handler(events)`` runs under the lock after ``epoll_wait`` reports ``fd``."""
@@ -352,7 +356,7 @@ class Progress:
         # then poll with os.sched_yield between passes (a peer that shares our core, with more
         # ranks than cores or other load on the machine, gets it), then block.
         hot_until = spin_until = started
-        hot, spin = self.hot_spin, SPIN_S
+        hot, spin = self.hot_spin, self.spin_s
         longer = self.spin and self.spin_long   # priced once, when the short spin runs out
         if self.spin:
             hot_until += hot
