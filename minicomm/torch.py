@@ -135,6 +135,23 @@ def _check_list(ts, what: str, n: Optional[int] = None) -> List[torch.Tensor]:
     return ts
 
 
+def _resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values with its conjugate and negative bits applied (a copy only where one is
+    set). A converting ``copy_`` from a float16 tensor with the negative bit set (what
+    torch.distributed makes of a complex32 negative view, through view_as_real) drops the sign
+    in torch 2.13, so staging resolves the bits before it converts."""
+    return t.detach().resolve_conj().resolve_neg()
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, converting first where ``dst`` has the negative or conjugate bit set:
+    a converting copy into a float16 negative view stores the values unnegated (torch 2.13)."""
+    if src.dtype != dst.dtype and (dst.is_neg() or dst.is_conj()):
+        src = src.to(dst.dtype)
+    with torch.no_grad():
+        dst.copy_(src)
+
+
 def _zero_copy(t: torch.Tensor) -> bool:
     return t.dtype in _DIRECT and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
@@ -153,19 +170,17 @@ class _Buf:
         else:
             self.stage = torch.empty(t.shape, dtype=_STAGED.get(t.dtype, t.dtype))
             if load:
-                self.stage.copy_(t.detach())          # also resolves conj / neg views
+                self.stage.copy_(_resolved(t))
             self.array = self.stage.numpy().reshape(-1)
 
     def store(self) -> None:
         if self.stage is not None:
-            with torch.no_grad():
-                self.tensor.copy_(self.stage)
+            _copy_into(self.tensor, self.stage)
 
 
 def _put(t: torch.Tensor, row: np.ndarray) -> None:
     """Copy a flat numpy block into tensor ``t`` (any layout or dtype: torch converts)."""
-    with torch.no_grad():
-        t.copy_(torch.from_numpy(row).view(t.shape))
+    _copy_into(t, torch.from_numpy(row).view(t.shape))
 
 
 def _stack(ts: Sequence[torch.Tensor], dtype: np.dtype) -> np.ndarray:
@@ -173,7 +188,7 @@ def _stack(ts: Sequence[torch.Tensor], dtype: np.dtype) -> np.ndarray:
     n = ts[0].numel() if ts else 0
     out = np.empty((len(ts), n), dtype=dtype)
     for j, t in enumerate(ts):
-        torch.from_numpy(out[j]).view(t.shape).copy_(t.detach())
+        torch.from_numpy(out[j]).view(t.shape).copy_(_resolved(t))
     return out
 
 
@@ -756,7 +771,7 @@ class MinicommProcessGroup(dist.ProcessGroup):
                 flat = np.empty(sum(t.numel() for t in ts), dtype=dt)
                 pos = 0
                 for t in ts:
-                    torch.from_numpy(flat[pos:pos + t.numel()]).view(t.shape).copy_(t.detach())
+                    torch.from_numpy(flat[pos:pos + t.numel()]).view(t.shape).copy_(_resolved(t))
                     pos += t.numel()
                 if factor is not None:
                     flat *= factor

@@ -9,6 +9,7 @@ of MINICOMM_DEBUG=detail is not what is tested here), on inproc threads for the 
 on shm processes for a slice.
 """
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -145,3 +146,38 @@ def test_mismatch_on_processes(family, pair, size, bad, transport):
         assert kind in ("MismatchError", "PeerFailure"), f"rank {r}: {kind} {text}"
     assert any(kind == "MismatchError" and all(w in text for w in words)
                and (r == bad or f"rank {bad}" in text) for r, (kind, text) in enumerate(out)), out
+
+
+def _notice_behind_data(comm):
+    # rank 0 sends rank 1 a message of call #1 that rank 1 has not reached yet, then the abort
+    # notice of a communicator broken in call #1; rank 1 waits in call #1 for rank 2, which
+    # sends nothing. The notice is the second record of rank 0's stream, behind the data.
+    from minicomm.errors import pack_call
+    from minicomm.transports.base import ABORT_CALL, ABORT_KINDS, Tag
+    t, ctx = comm.transport, comm._ctx
+    call = pack_call("allreduce", "sum", "ring", np.dtype(np.float64), -1)
+    result = None
+    if comm.rank == 0:
+        t.wait_all([t.isend(1, np.ones(5), Tag(ctx, 1, 1, call, 5)),
+                    t.isend(1, np.empty(0, np.uint8),
+                            Tag(ctx, -1, ABORT_KINDS.index("MismatchError"), ABORT_CALL, 1))],
+                   time.monotonic() + 10, "send")
+    elif comm.rank == 1:
+        req = t.irecv(2, np.empty(5), Tag(ctx, 1, 0, call, 5))
+        try:
+            t.wait_all([req], time.monotonic() + 10, "allreduce (ring)")
+        except mc.CommError as e:
+            result = type(e).__name__, str(e)
+        for peer in (0, 2):
+            comm.send(np.zeros(1), peer)
+        return result
+    comm.recv(1)
+    return result
+
+
+def test_an_abort_notice_behind_unclaimed_data_is_found_while_waiting():
+    # found by CI: a rank waiting on a third rank saw only the head of each peer's stream, a
+    # message of this very call, and timed out while the notice that ends the call sat behind it
+    got = mc.spawn(_notice_behind_data, 3, transport="shm", timeout=60)[1]
+    assert got is not None and got[0] in ("MismatchError", "PeerFailure"), got
+    assert "rank 0" in got[1], got

@@ -526,8 +526,9 @@ class LinkEngine(Transport):
             raise peer_failure(self, req, what, link.closed)
 
     def check_foreign(self, tag: Tag) -> None:
-        """Before blocking in a collective (``tag``): the first unclaimed message of its context
-        from every peer, checked by base.check_foreign (an abort notice, or this call's sequence
+        """Before blocking in a collective (``tag``): the unclaimed messages of its context from
+        every peer (as far as ``_peek_all`` sees: shm's whole ring, else the head), checked by
+        base.check_foreign (an abort notice, or this call's sequence
         number with another signature, raises MismatchError / PeerFailure naming the peer)."""
         if not (tag[3] & 31):                   # p2p waits: other peers' traffic is normal
             return
@@ -539,14 +540,21 @@ class LinkEngine(Transport):
                 for u in q:                     # held already: a notice may sit behind data
                     check_foreign(ib.peer, tag, u.tag)
             if link.rx_cur is None:
-                head = self._peek(link)
-                if head is not None:
+                for head in self._peek_all(link):
                     check_foreign(ib.peer, tag, Tag(*head))
 
     def _peek(self, link):
         """The header (comm, seq, step, call, count) of the next message in ``link``'s inbound
         stream, without consuming it; None when none is visible. Engines override it."""
         return None
+
+    def _peek_all(self, link):
+        """The headers of the messages visible in ``link``'s inbound stream, oldest first, none
+        consumed. Here only the head (``_peek``): an engine that can read further (shm's ring)
+        overrides it, so that an abort notice behind an unreceived message is seen too."""
+        head = self._peek(link)
+        if head is not None:
+            yield head
 
     def describe(self) -> str:
         return (f"rank {self.rank}: {self.name} to {self.peer_ranks}" if self.peer_ranks

@@ -110,6 +110,7 @@ HDR = 64                              # record header: 8 int64
 CHUNK = 1 << 20                       # streaming unit of large messages
 EARLY_RING = 64 << 10                 # ring the doorbell at once after a record this large
 EAGER = 16 << 10                      # isend/irecv move a message this small on the spot
+PEEK_RECORDS = 1024                   # records _peek_all reads before a rank blocks (bounded)
 SMALL_HOT_S = 10e-6                   # recv_now polls this long without yielding (see there)
 _U8 = np.dtype(np.uint8)
 _MAGIC = b"MCSHM\x00\x01\x00"
@@ -1007,18 +1008,26 @@ class ShmTransport(LinkEngine):
     def _link(self, peer: int):
         return self._peers[peer]
 
-    def _peek(self, p: _Peer):
+    def _peek_all(self, p: _Peer):
+        """The headers (comm, seq, step, call, count) of the records in ``p``'s inbound ring,
+        oldest first, at most ``PEEK_RECORDS``, none consumed: a rank about to block sees an
+        abort notice that sits behind a message nobody has received yet (a message of this very
+        call, for a later step), not only the head of the stream."""
         if p.rx_mm is None or p.closed is not None:
-            return None
+            return
         tail, head = p.rx_tail, p.rx_q[_HEAD]
-        size, data = p.rx_size, p.rx_data
-        while tail != head:
+        size, data, mm = p.rx_size, p.rx_data, p.rx_mm
+        seen = 0
+        while tail != head and seen < PEEK_RECORDS:
             pos = tail % size
-            comm, seq, step, call, count, total, off, c = _HDR.unpack_from(p.rx_mm, data + pos)
-            if c >= 0:
-                return comm, seq, step, call, count
-            tail += size - pos                  # wrap marker
-        return None
+            comm, seq, step, call, count, total, off, c = _HDR.unpack_from(mm, data + pos)
+            if c == _WRAP_REC:
+                tail += size - pos
+                continue
+            seen += 1
+            yield comm, seq, step, call, count
+            # a descriptor record (single copy, registered) has a fixed size, a chunk its bytes
+            tail += _CMA_RECORD if c < 0 else HDR + ((c + 63) & ~63)
 
     def single_copy_peers(self) -> List[int]:
         """The peers our large sends reach single-copy (they read this process's memory)."""
