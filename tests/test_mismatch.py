@@ -156,14 +156,15 @@ def _notice_behind_data(comm):
     from minicomm.transports.base import ABORT_CALL, ABORT_KINDS, Tag
     t, ctx = comm.transport, comm._ctx
     call = pack_call("allreduce", "sum", "ring", np.dtype(np.float64), -1)
+    seq = comm._seq + 1               # the call this communicator makes next (world start made some)
     result = None
     if comm.rank == 0:
-        t.wait_all([t.isend(1, np.ones(5), Tag(ctx, 1, 1, call, 5)),
+        t.wait_all([t.isend(1, np.ones(5), Tag(ctx, seq, 1, call, 5)),
                     t.isend(1, np.empty(0, np.uint8),
-                            Tag(ctx, -1, ABORT_KINDS.index("MismatchError"), ABORT_CALL, 1))],
+                            Tag(ctx, -1, ABORT_KINDS.index("MismatchError"), ABORT_CALL, seq))],
                    time.monotonic() + 10, "send")
     elif comm.rank == 1:
-        req = t.irecv(2, np.empty(5), Tag(ctx, 1, 0, call, 5))
+        req = t.irecv(2, np.empty(5), Tag(ctx, seq, 0, call, 5))
         try:
             t.wait_all([req], time.monotonic() + 10, "allreduce (ring)")
         except mc.CommError as e:
@@ -175,9 +176,10 @@ def _notice_behind_data(comm):
     return result
 
 
-def test_an_abort_notice_behind_unclaimed_data_is_found_while_waiting():
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_an_abort_notice_behind_unclaimed_data_is_found_while_waiting(transport):
     # found by CI: a rank waiting on a third rank saw only the head of each peer's stream, a
     # message of this very call, and timed out while the notice that ends the call sat behind it
-    got = mc.spawn(_notice_behind_data, 3, transport="shm", timeout=60)[1]
+    got = mc.spawn(_notice_behind_data, 3, transport=transport, timeout=60)[1]
     assert got is not None and got[0] in ("MismatchError", "PeerFailure"), got
     assert "rank 0" in got[1], got

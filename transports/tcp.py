@@ -52,6 +52,7 @@ DIRECT = 64 << 10                     # plain receives at least this large bypas
 ABORT_COMM = -1
 MAX_PAYLOAD = 1 << 48                 # a frame announcing more is malformed (PeerFailure)
 BYE_COMM = -2                         # an orderly close (then FIN)
+PEEK_FRAMES = 1024                    # staged frames _peek_all reads before a rank blocks
 _MAX_IOV = 128
 _SEND_FLAGS = socket.MSG_NOSIGNAL
 _READ_EV = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
@@ -333,6 +334,27 @@ class TcpTransport(LinkEngine):
         if comm in (ABORT_COMM, BYE_COMM):
             return None
         return comm, seq, step, call, count
+
+    def _peek_all(self, c: _Conn):
+        """The headers of the whole frames in ``c``'s staging buffer, oldest first (at most
+        ``PEEK_FRAMES``), none consumed: as shm's ``_peek_all``, an abort notice behind a frame
+        nobody has received yet is seen before this rank blocks (bytes still in the kernel's
+        socket buffer are not: those are found once they are staged)."""
+        if c.closed is None and c.readable and c.hi < len(c.rx):
+            self._fill(c)                       # stage what the socket holds (edge-triggered:
+            # the bytes behind an unreceived frame would raise no new event before we block)
+        head = self._peek(c)                    # stages at least a header when one is there
+        if head is None:
+            return
+        yield head
+        pos, seen = c.lo + FRAME + _FRAME.unpack_from(c.rx, c.lo)[5], 1
+        while pos + FRAME <= c.hi and seen < PEEK_FRAMES:
+            comm, seq, step, call, count, total = _FRAME.unpack_from(c.rx, pos)
+            if comm in (ABORT_COMM, BYE_COMM) or not 0 <= total <= MAX_PAYLOAD:
+                return
+            seen += 1
+            yield comm, seq, step, call, count
+            pos += FRAME + total
 
     def _links(self):
         return self._conns.values()
