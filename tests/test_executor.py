@@ -113,3 +113,24 @@ def test_alias_safe_negative_controls():
     # copying in[a:] onto out[a:] is a no-op in place; sends of other regions are fine
     assert alias_safe([(Copy(IN, 0, OUT, 0, 8), Send(1, IN, 4, 4), Recv(1, OUT, 0, 4, True)),
                        (Send(1, OUT, 0, 4), Recv(1, OUT, 4, 4))])
+
+
+def test_separate_tells_the_same_array_from_an_overlap():
+    """``Communicator._separate``: a view of the output's own memory is the in-place call (the
+    output itself comes back: nothing copied), an overlap at a whole-element offset is the
+    shifted in-place view, one at a byte offset is copied, and separate memory is left alone."""
+    from minicomm.communicator import Communicator, _InPlace
+    sep = Communicator._separate
+    a = np.arange(8, dtype=np.float32)
+    out = a[:]
+    assert sep(a, out, out) is out
+    assert sep(a[:], a, a) is a
+    shifted = sep(a[2:6], a[0:4], a[0:4])
+    assert type(shifted) is _InPlace and shifted.shift == 2
+    raw = np.zeros(33, dtype=np.uint8)
+    odd, even = raw[1:].view(np.float32), raw[:32].view(np.float32)
+    copied = sep(odd, even, even)
+    assert not np.may_share_memory(copied, raw) and np.array_equal(copied, odd, equal_nan=True)
+    other = np.zeros(8, dtype=np.float32)
+    assert sep(a, other, other) is a
+    assert sep(a, a.view(np.int32), a.view(np.int32)) is not a     # same bytes, other dtype
