@@ -213,3 +213,35 @@ def test_the_cost_model_prices_single_copy_only_where_it_is_on(mode, monkeypatch
     got = mc.spawn(_model_single_copy, 3, transport="shm", timeout=60)
     from minicomm import cost
     assert got == [cost.SINGLE_COPY_MIN["shm"] if mode == "on" else 0] * 3
+
+
+def _thresholds(comm, marker):
+    # a 1 MiB point-to-point send returns while its receiver is outside the library (eager,
+    # through the ring): rank 1 enters it only once rank 0 says its send returned, which a
+    # rendezvous send would never do (rank 1 then gives up after 20 s); a collective's 512 KiB
+    # message goes single-copy
+    import time
+    t = comm.transport
+    big = np.arange(1 << 17, dtype=np.float64)                # 1 MiB
+    if comm.rank == 0:
+        comm.send(big, 1, tag=3)
+        open(marker, "w").close()
+    else:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(marker):
+            assert time.monotonic() < deadline, "the 1 MiB send did not return by itself"
+            time.sleep(0.01)          # a file to appear, outside the library: bounded above
+        got = comm.recv(0, tag=3)
+        assert np.array_equal(got, big)
+    p2p_reads = t.received_single_copy["cma"]
+    x = np.full(1 << 17, comm.rank + 1, dtype=np.float32)     # 512 KiB
+    y = comm.broadcast(x, root=0)
+    assert np.array_equal(y, np.ones_like(x))
+    return p2p_reads, t.received_single_copy["cma"]
+
+
+@needs_cma
+def test_collectives_go_single_copy_from_256k_and_p2p_stays_eager_to_2m(tmp_path):
+    assert cma.DEFAULT_MIN == 256 << 10 and cma.P2P_MIN == 2 << 20
+    res = mc.spawn(_thresholds, 2, args=(str(tmp_path / "sent"),), transport="shm", timeout=60)
+    assert res[1] == (0, 1)   # rank 1: the p2p payload came through the ring, the broadcast's not

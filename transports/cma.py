@@ -31,7 +31,12 @@ import numpy as np
 
 ENV = "MINICOMM_CMA"                 # "0" / "off": never use single-copy reads
 MIN_ENV = "MINICOMM_CMA_MIN"         # messages of at least this many bytes go single-copy
-DEFAULT_MIN = 2 << 20
+# A collective's messages from 256 KiB (its schedule is verified deadlock-free under rendezvous
+# sends; shm.py, "Single copy", has the measurements); point-to-point sends stay eager, through
+# the ring, up to 2 MiB: such a send returns at once, while its receiver computes (a parameter
+# server's push), where a single-copy send waits for the receiver to enter the library.
+DEFAULT_MIN = 256 << 10
+P2P_MIN = 2 << 20
 
 
 class _IoVec(ctypes.Structure):
@@ -69,10 +74,12 @@ def disabled() -> Optional[str]:
     return None
 
 
-def min_bytes() -> int:
+def min_bytes(p2p: bool = False) -> int:
+    """The size from which a message goes single-copy: ``MINICOMM_CMA_MIN`` where set (for every
+    message), else ``DEFAULT_MIN`` for a collective's, ``P2P_MIN`` for a point-to-point send's."""
     raw = os.environ.get(MIN_ENV)
     if raw is None:
-        return DEFAULT_MIN
+        return P2P_MIN if p2p else DEFAULT_MIN
     try:
         v = int(raw)
     except ValueError:

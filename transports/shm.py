@@ -46,20 +46,24 @@ segments of its node before it completes the doorbell handshake, so a finished h
 peer proves it), on close, on any setup error and at exit; ``sweep_job_segments`` removes what a
 SIGKILLed rank left (the launcher calls it).
 
-Single copy (cma.py). A message of at least ``MINICOMM_CMA_MIN`` bytes (2 MiB) of a call that
-does not reduce (broadcast, gather, scatter, allgather, alltoall, p2p), to a peer that can read
-this process's memory with process_vm_readv, travels as one 128-byte *descriptor record* (the
-header with chunk length ``-2``, then the buffer's address) instead of chunks: the receiver, once
-its receive is posted, reads the bytes straight from the sender's buffer into the destination
-then advances ``tail`` past the record. The sender's request completes when it
-sees ``tail`` pass the record (the receiver's usual doorbell wakes it if it sleeps): until then
-its buffer is in use, so such a send is a rendezvous send, which every schedule is verified
-against. The bytes cross memory once, where the ring path copies them in and out. Measured here
-(2 ranks, interleaved): 1.16-1.39x faster for 64 MiB gather, scatter, broadcast, allgather,
-alltoall; slower below ~2 MiB (a process_vm_readv moves ~4.7 GB/s against memcpy's ~12 GB/s,
-and the ring lets the sender return as soon as the bytes are in) and for reducing calls (the
-ring has the sender copy the next chunk while the receiver reduces this one: two cores at work;
-single-copy with a scratch reduce measured 0.6-0.9x), so those keep the ring. Each rank
+Single copy (cma.py). A message of at least ``MINICOMM_CMA_MIN`` bytes (256 KiB; a point-to-point
+send's from 2 MiB, ``cma.P2P_MIN``, so a send of up to 2 MiB returns at once, while its receiver
+computes) of a call that does not reduce (broadcast, gather, scatter, allgather, alltoall, p2p), to
+a peer that can read this process's memory with process_vm_readv, travels as one 128-byte
+*descriptor record* (the header with chunk length ``-2``, then the buffer's address) instead of
+chunks: the receiver, once its receive is posted, reads the bytes straight from the sender's
+buffer into the destination then advances ``tail`` past the record. The sender's request
+completes when it sees ``tail`` pass the record (the receiver's usual doorbell wakes it if it
+sleeps): until then its buffer is in use, so such a send is a rendezvous send, which every
+schedule is verified against. The bytes cross memory once, where the ring path copies them in
+and out. process_vm_readv moves ~23 GB/s for a cache-warm 512 KiB here, ~10 GB/s at 4 MiB, ~4.8
+GB/s at 64 MiB, against ~13 GB/s for each of the ring's two cross-core copies of a cached record.
+Measured (in-process A/B, interleaved, 1 MiB calls, threshold 2 MiB against 256 KiB): n=2
+broadcast 155 -> 113 us, scatter 115 -> 84, alltoall 145 -> 93, allgather 124 -> 117, gather
+98 -> 102; n=4 5-15% faster except gather (264 -> 292: its senders wait for the root to read);
+64 MiB gather, scatter, broadcast, allgather, alltoall 1.16-1.39x. Reducing calls keep the ring
+(the sender copies the next chunk while the receiver reduces this one: two cores at work;
+single-copy with a scratch reduce measured 0.6-0.9x). Each rank
 probes every peer at setup (reads a random token from the peer's memory) and writes the verdict
 into the control page of the ring that peer sends into; a pair whose probe fails (EPERM under
 ptrace restrictions or seccomp, ESRCH across pid namespaces) or a side with ``MINICOMM_CMA=0``
@@ -95,7 +99,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from minicomm.errors import CommError, CommTimeout, PeerFailure, call_reduces
+from minicomm.errors import COLLECTIVE_CODES, CommError, CommTimeout, PeerFailure, call_reduces
 from minicomm.rendezvous import accept_peers, dial_peer
 from minicomm.settings import byte_setting
 from . import cma, futex, segment
@@ -109,6 +113,7 @@ PAGE = 4096
 HDR = 64                              # record header: 8 int64
 CHUNK = 1 << 20                       # streaming unit of large messages
 EARLY_RING = 64 << 10                 # ring the doorbell at once after a record this large
+_P2P_CODE = COLLECTIVE_CODES.index("p2p")   # a packed call's collective bits for p2p
 EAGER = 16 << 10                      # isend/irecv move a message this small on the spot
 PEEK_RECORDS = 1024                   # records _peek_all reads before a rank blocks (bounded)
 SMALL_HOT_S = 10e-6                   # recv_now polls this long without yielding (see there)
@@ -257,7 +262,7 @@ class ShmTransport(LinkEngine):
         self._cancelled: Dict[int, BaseException] = {}
         self._closed = False
         self._listener: Optional[socket.socket] = None
-        self._cma_min = cma.min_bytes()
+        self._cma_min, self._cma_min_p2p = cma.min_bytes(), cma.min_bytes(p2p=True)
         self._cma_off = cma.disabled()           # why this side never sends single-copy
         self._cma_reduce = False                 # reducing calls single-copy too (measured: no)
         self._probe_token = np.frombuffer(os.urandom(16), dtype=np.uint8).copy()
@@ -721,8 +726,8 @@ class ShmTransport(LinkEngine):
             nbytes = req.nbytes
             where = (self._registered(req.u8) if regs and off == 0 and nbytes >= REGISTERED_MIN
                      else None)
-            if where is not None or (off == 0 and 0 <= single <= nbytes and (
-                    self._cma_reduce or not call_reduces(req.tag[3]))):
+            if where is not None or (off == 0 and 0 <= single <= nbytes
+                                     and self._single_copy(req.tag[3], nbytes)):
                 # one descriptor record; the receiver reads the buffer itself (module doc)
                 pos = head % size
                 contig = size - pos
@@ -796,6 +801,14 @@ class ShmTransport(LinkEngine):
                 q.popleft()
         p.tx_head, p.tx_tail = head, tail
         return moved
+
+    def _single_copy(self, call: int, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` (at least ``_cma_min``) of packed call ``call`` goes as
+        a single-copy descriptor: not a reducing call's (module doc), and a point-to-point
+        send's only from ``_cma_min_p2p``."""
+        if call & 31 == _P2P_CODE:
+            return nbytes >= self._cma_min_p2p
+        return self._cma_reduce or not call_reduces(call)
 
     def _pull(self, p: _Peer) -> bool:
         """Consume records of the inbound ring into their receives (or out of the way)."""
@@ -1044,7 +1057,8 @@ class ShmTransport(LinkEngine):
         reads = {p.rank: p.cma_read for p in self._peers.values() if p.cma_read is not None}
         text = f"rank {self.rank}: shm large messages"
         if single:
-            text += f"; sends of >= {self._cma_min} B single-copy (process_vm_readv) to {single}"
+            text += (f"; sends of >= {self._cma_min} B (point-to-point: >= {self._cma_min_p2p} B)"
+                     f" single-copy (process_vm_readv) to {single}")
         if ring:
             text += "; ring copies to " + ", ".join(f"{r} ({why})" for r, why in ring.items())
         if reads:
