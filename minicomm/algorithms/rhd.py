@@ -240,12 +240,18 @@ def _allreduce(b: ScheduleBuilder) -> None:
         b.step(Copy(IN, 0, OUT, 0, n), Recv(rank + 1, OUT, 0, n, True))
         from_in = False
     if n < ALLREDUCE_SMALL_COUNT or n < f.p2:
-        # Recursive doubling: the partner's whole vector lands in tmp (a Recv may not write what
-        # the same step's Send reads) and is reduced at the start of the next step.
-        if from_in:
-            lead.append(Copy(IN, 0, OUT, 0, n))
-        tmp = b.alloc_tmp(n)
+        # Recursive doubling. The first exchange sends `in` itself, so the partner's vector is
+        # reduced straight into `out` (a copy of `in`) as it arrives; later ones send the
+        # running `out`, so the partner's vector lands in tmp (a Recv may not write what the
+        # same step's Send reads) and is reduced at the start of the next step.
         d = 1
+        if from_in and f.p2 > 1:
+            peer = f.vrank(f.part ^ 1)
+            b.step(Copy(IN, 0, OUT, 0, n), Send(peer, IN, 0, n), Recv(peer, OUT, 0, n, True))
+            d = 2
+        elif from_in:
+            lead.append(Copy(IN, 0, OUT, 0, n))
+        tmp = b.alloc_tmp(n) if d < f.p2 else 0
         while d < f.p2:
             peer = f.vrank(f.part ^ d)
             b.step(*lead, Send(peer, OUT, 0, n), Recv(peer, TMP, tmp, n))
