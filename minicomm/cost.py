@@ -52,8 +52,8 @@ caches, several times faster than a 64 MiB one); with it, shm's β is exactly it
 (``COPY_TRANSPORTS``: the sender's copy into the ring, the receiver's copy or reduction out);
 each copy touches the user's buffer and the ring (``RING_BYTES``, cache-resident), so β is
 δ(working set) + δ(ring). ``single_copy``: from that many bytes, a non-reducing call's intra-node
-messages are one read by the receiver at ``SINGLE_COPY_SLOWDOWN`` times δ(working set) (shm's
-cross-memory attach), and the sender's step ends when it has been read. tcp's β is the fitted (measured) one
+messages are one read by the receiver at δ(working set) (shm's cross-memory attach), and the
+sender's step ends when it has been read. tcp's β is the fitted (measured) one
 plus how much slower than a cache-resident copy the kernel's copies of the call's buffer are.
 
 Link parameters (``LinkModel``): per link class (intra-node, inter-node) α (one exchange step), β
@@ -112,10 +112,9 @@ PIPELINE_CHUNK = {"shm": 1 << 20}
 RING_BYTES = {"shm": 4 << 20}
 # shm's single-copy reads (transports/cma.py DEFAULT_MIN): a non-reducing call's messages this
 # large are read by the receiver straight from the sender's memory, where the kernel allows it,
-# at this many times a memcpy of the call's working set (the kernel pins and copies the remote
-# pages one by one; process_vm_readv against memcpy measured here 1.2-1.5x from 512 KiB to 64 MiB).
+# at the pace of a memcpy of the call's working set (process_vm_readv measured here: ~23 GB/s at
+# 512 KiB, about δ(1 MiB); a 64 MiB tree broadcast, one read, 9.9 ms, about δ(64 MiB)).
 SINGLE_COPY_MIN = {"shm": 256 << 10}
-SINGLE_COPY_SLOWDOWN = 1.5
 # The small-message path (minicomm.smallpath) runs a call whose every message is at most this
 # large (the transport's ``small_bytes``: shm's EAGER) without the executor's request objects,
 # a rooted one with its fingerprint exchange; other calls and every call of a world over several
@@ -278,7 +277,7 @@ def host_model(m: LinkModel, working_set: float = 0.0) -> HostModel:
             sharing_loss=SHARING_LOSS, call_overhead=m.call_overhead,
             background=m.background, exec_overhead=m.exec_overhead,
             single_min=m.single_copy if m.intra in COPY_TRANSPORTS else 0,
-            single_beta=SINGLE_COPY_SLOWDOWN * delta)
+            single_beta=delta)
         if len(_host_models) > 256:
             _host_models.clear()
         _host_models[key] = hm
