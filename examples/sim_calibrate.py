@@ -84,6 +84,8 @@ def record_run(out, transport, n, rnd, sizes, algos, batches):
     rows = run_bench(os.path.join(out, f"{transport}-n{n}-r{rnd}.json"), transport, n, sizes,
                      algos, COLLS, env, batches)
     return {"transport": transport, "ranks": n, "round": rnd, "cores": int(cores or 0),
+            # shm's single-copy threshold this run had (the default; MINICOMM_CMA_MIN not set)
+            "single_copy": cost.SINGLE_COPY_MIN.get(transport, 0),
             "batches": batches, "batch_time": BATCH_TIME,
             "load_before": load_before, "load_after": os.getloadavg(), "memory": memory,
             "wake": world_start.get("wake", 0.0), "world_start_links": world_start,

@@ -814,7 +814,7 @@ def test_link_fit_recovers_the_model_that_made_the_probes():
     true = {"overhead": 4e-6, "latency": 25e-6, "beta": 1 / 1.5e9, "call_overhead": 0.0,
             "background": 0.0}
     memory = [[65536, 1 / 30e9, 1 / 30e9, 0.0], [67108864, 1 / 10e9, 1 / 12e9, 0.5]]
-    m = cal._link_model("tcp", true, 100e-6, 2, memory)
+    m = cal._link_model("tcp", true, 100e-6, 2, memory, 0)
     probe = []
     for coll, algo in (("broadcast", "tree"), ("allgather", "rhd")):
         for size in (8, 4096, 65536, 524288, 4 << 20):
