@@ -41,7 +41,7 @@ from .executor import LazyCheck, Plan, run_plan
 from .p2p import ANY_SOURCE, ANY_TAG, MAX_TAG, P2PEngine, Status
 from .schedule import ROOTED
 from .settings import env_debug, env_flag, env_timeout, timeout_arg
-from .smallpath import SMALL_SPIN_S, Guard, compile_small, eligible, run_small, straight_line
+from .smallpath import SMALL_SPIN_S, Guard, compile_small, eligible, straight_line
 from .transports.base import ABORT_CALL, ABORT_KINDS, Tag
 from .window import Window
 
@@ -127,18 +127,21 @@ class _InPlace(np.ndarray):
 class _Call:
     """What ``_prepare`` derives from a call's signature (see there)."""
     __slots__ = ("coll", "algo", "call", "plan", "kernel", "rooted", "label", "requested",
-                 "small", "hot", "tmp", "alias0", "count", "run")
+                 "small", "hot", "tmp", "alias0", "count", "run", "run_guarded")
 
     def __init__(self, coll, algo, call, plan, kernel, rooted, label, requested, small=None,
                  hot=False, dtype=None, count=0, exchange=False):
         self.coll, self.algo, self.call, self.plan, self.kernel = coll, algo, call, plan, kernel
         self.rooted, self.label, self.requested = rooted, label, requested
         self.small = small            # the plan compiled for the small-message path, or None
-        # an unrooted call on the small path runs it unrolled (smallpath.straight_line)
-        self.run = straight_line(small, exchange) if small is not None and not rooted else None
-        # ``hot``: such a call that ``Communicator._hot`` may run, with its own scratch ``tmp``
-        # and whether its input may alias its output (``alias0``)
-        self.hot, self.count = hot and self.run is not None, count
+        # a call on the small path runs it unrolled (smallpath.straight_line); a rooted one with
+        # its fingerprint exchange (``run_guarded``), or without where that is done otherwise
+        self.run = straight_line(small, exchange) if small is not None else None
+        self.run_guarded = (straight_line(small, exchange, guarded=True)
+                            if small is not None and rooted else None)
+        # ``hot``: an unrooted such call that ``Communicator._hot`` may run, with its own
+        # scratch ``tmp`` and whether its input may alias its output (``alias0``)
+        self.hot, self.count = hot and self.run is not None and not rooted, count
         self.tmp = np.empty(plan.tmp_count, dtype=dtype) if self.hot else None
         self.alias0 = plan.alias_safe(0) if self.hot else False
 
@@ -376,7 +379,7 @@ class Communicator:
 
     def _small_guard(self, call: int, count: int, shape: Tuple[int, ...]) -> Guard:
         """``_post_fingerprints`` for a call on the small-message path: the same messages (same
-        sequence number and tag), sent and received by ``run_small`` (smallpath, "Guarded
+        sequence number and tag), sent and received by the compiled plan (smallpath, "Guarded
         calls")."""
         return Guard(*self._fingerprint_exchange(call, count, shape))
 
@@ -524,19 +527,20 @@ class Communicator:
         tmp = self._scratch.get(outb.dtype)
         if tmp is None or tmp.size < n:
             tmp = self._tmp(outb.dtype, n)
-        tag = _new_tag(Tag, (self._ctx, seq, 0, c.call, count))
-        if c.run is not None and small_guard is None and self.small_path:
-            # latency-bound: the compiled plan (smallpath), unrolled
-            c.run((inb, outb, tmp[:n]), self.transport, c.kernel, self._ctx, seq, c.call,
-                  count, time.monotonic() + self.timeout, c.label, SMALL_SPIN_S)
-        elif c.small is not None and guard is None and self.small_path:
-            # latency-bound: the compiled plan (smallpath), same schedule; a rooted call's
+        if c.run is not None and guard is None and self.small_path:
+            # latency-bound: the compiled plan (smallpath), unrolled; a rooted call's
             # fingerprints travel with it (small_guard)
-            run_small(c.small, self.transport, (inb, outb, tmp[:n]), c.kernel, tag,
-                      time.monotonic() + self.timeout, c.label, guard=small_guard)
+            if small_guard is None:
+                c.run((inb, outb, tmp[:n]), self.transport, c.kernel, self._ctx, seq, c.call,
+                      count, time.monotonic() + self.timeout, c.label, SMALL_SPIN_S)
+            else:
+                c.run_guarded((inb, outb, tmp[:n]), self.transport, c.kernel, self._ctx, seq,
+                              c.call, count, time.monotonic() + self.timeout, c.label,
+                              SMALL_SPIN_S, small_guard)
         else:
             # a guarded (rooted, lazily fingerprinted) call checks fingerprints while it waits
-            run_plan(plan, self.transport, (inb, outb, tmp[:n]), c.kernel, tag,
+            run_plan(plan, self.transport, (inb, outb, tmp[:n]), c.kernel,
+                     _new_tag(Tag, (self._ctx, seq, 0, c.call, count)),
                      time.monotonic() + self.timeout, c.label, guard)
 
     # ------------------------------------------------------------------ argument helpers

@@ -279,34 +279,54 @@ def _take_fingerprints(guard: Guard, ranks, group, transport, deadline: float, w
 
 
 # ---------------------------------------------------------------------------- straight-line form
-def straight_line(plan: SmallPlan, exchange: bool = False):
-    """``run_small`` for ``plan`` without a guard, as one generated function: the plan's loop
-    unrolled into straight-line code whose buffer indices, regions, peers and step indices are
-    constants (a latency-bound call spends most of its time interpreting the loop). Generated
-    from ``plan.steps`` -- the tuples ``check_compiled`` proved equal to the schedule -- op for
-    op in ``run_small``'s order; ``tests/test_smallpath.py`` checks that both issue the same
-    transport calls. Signature: ``run(bufs, transport, kernel, comm, seq, call, count, deadline,
-    what, spin)``. ``exchange``: the transport has ``sendrecv_now`` (shm), which a step whose
-    one send and one receive are with the same peer calls instead of the two (the same calls,
-    in one: ``send_now``, then ``recv_now`` only if the send went)."""
+def straight_line(plan: SmallPlan, exchange: bool = False, guarded: bool = False):
+    """``run_small`` for ``plan`` as one generated function: the plan's loop unrolled into
+    straight-line code whose buffer indices, regions, peers and step indices are constants (a
+    latency-bound call spends most of its time interpreting the loop). Generated from
+    ``plan.steps`` -- the tuples ``check_compiled`` proved equal to the schedule -- op for op in
+    ``run_small``'s order; ``tests/test_smallpath.py`` checks that both issue the same transport
+    calls. Signature: ``run(bufs, transport, kernel, comm, seq, call, count, deadline, what,
+    spin)``, and a last argument ``guard`` when ``guarded`` (a rooted call's fingerprint
+    exchange, module doc: sent before step 0, each peer's received before the first step that
+    receives from it, the rest at the end, as ``run_small`` does). ``exchange``: the transport
+    has ``sendrecv_now`` (shm), which a step whose one send and one receive are with the same
+    peer calls instead of the two (the same calls, in one: ``send_now``, then ``recv_now`` only
+    if the send went) -- unless a fingerprint must be received between the two."""
     names = ("i", "o", "t")
-    lines = ["def run(bufs, transport, kernel, comm, seq, call, count, deadline, what, spin):",
+    group, me = plan.group, plan.schedule.rank
+    lines = ["def run(bufs, transport, kernel, comm, seq, call, count, deadline, what, spin"
+             + (", guard):" if guarded else "):"),
              "    i, o, t = bufs",
              "    send_now, recv_now = transport.send_now, transport.recv_now"]
     if exchange:
         lines.append("    sendrecv_now = transport.sendrecv_now")
+    if guarded:
+        lines += ["    gm, gt = guard.mine, guard.tag",
+                  "    late = None"]
+        for r in range(len(group)):
+            if r != me:
+                lines += [f"    if not send_now({group[r]}, gm, gt):",
+                          "        if late is None:",
+                          "            late = []",
+                          f"        late.append(transport.isend({group[r]}, gm, gt))"]
+
+    def fingerprints(ranks) -> list:
+        return [f"    _take_fingerprints(guard, {tuple(ranks)!r}, _GROUP, transport, deadline, "
+                "what, spin)"]
 
     def region(b: int, lo: int, hi: int, whole: bool) -> str:
         return names[b] if whole else f"{names[b]}[{lo}:{hi}]"
-    for k, local, sends, recvs in plan.steps:
+    for j, (k, local, sends, recvs) in enumerate(plan.steps):
         for red, sb, so, db, do, n, whole in local:
             d = names[db] if whole else f"{names[db]}[{do}:{do + n}]"
             s = names[sb] if whole else f"{names[sb]}[{so}:{so + n}]"
             lines.append(f"    kernel({d}, {s})" if red else f"    {d}[...] = {s}")
         if not (sends or recvs):
             continue
+        first = plan.first_from[j] if guarded else ()
         lines.append(f"    tag = _new_tag(Tag, (comm, seq, {k}, call, count))")
-        if exchange and len(sends) == 1 and len(recvs) == 1 and sends[0][0] == recvs[0][0]:
+        if exchange and len(sends) == 1 and len(recvs) == 1 and sends[0][0] == recvs[0][0] \
+                and not first:
             peer, b, lo, hi, whole = sends[0]
             _, rb, rlo, rhi, red, rwhole = recvs[0]
             sv, rv, k_ = region(b, lo, hi, whole), region(rb, rlo, rhi, rwhole), \
@@ -328,6 +348,8 @@ def straight_line(plan: SmallPlan, exchange: bool = False):
                       "        if reqs is None:",
                       "            reqs = []",
                       f"        reqs.append(transport.isend({peer}, v, tag))"]
+        if first:
+            lines += fingerprints(first)
         if len(recvs) == 1:
             peer, b, lo, hi, red, whole = recvs[0]
             k_ = "kernel" if red else "None"
@@ -348,7 +370,13 @@ def straight_line(plan: SmallPlan, exchange: bool = False):
                       "            reqs.append(transport.irecv(peer, v, tag, k))"]
         lines += ["    if reqs is not None:",
                   "        transport.wait_all(reqs, deadline, what)"]
-    scope = {"Tag": Tag, "_new_tag": _new_tag}
+    if guarded:
+        if plan.never_from:
+            lines += fingerprints(plan.never_from)
+        lines += ["    if late is not None:",
+                  "        transport.wait_all(late, deadline, what)"]
+    scope = {"Tag": Tag, "_new_tag": _new_tag, "_take_fingerprints": _take_fingerprints,
+             "_GROUP": group}
     exec(compile("\n".join(lines) + "\n", f"<smallpath {plan.schedule.summary()}>", "exec"),
          scope)
     return scope["run"]

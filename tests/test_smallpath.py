@@ -355,3 +355,46 @@ def test_straight_line_form_makes_the_same_calls_as_run_small(coll, algo):
                                 bufs, t, kernel, 8, 3, 99, count, 1.0, "w", 1e-5)
                         logs.append((t.log, [b.tolist() for b in bufs]))
                     assert logs[0] == logs[1] == logs[2], (s.summary(), pattern)
+
+
+@pytest.mark.parametrize("coll", ("broadcast", "reduce", "gather", "scatter"))
+@pytest.mark.parametrize("algo", FAMILIES)
+def test_guarded_straight_line_form_makes_the_same_calls_as_run_small(coll, algo):
+    """A rooted call's unrolled form with its fingerprint exchange (``guarded``) issues the same
+    transport calls as ``run_small`` with the guard, in the same order: fingerprints out before
+    step 0, each peer's taken before the first step that receives from it (never inside a fused
+    exchange), the rest at the end, late fingerprint sends waited for last; a fingerprint that
+    differs calls ``check`` at the same point."""
+    from minicomm.smallpath import Guard, run_small, straight_line
+    from minicomm.transports.base import Tag
+
+    def kernel(d, s):
+        d += s
+    for p in (2, 3, 4, 5):
+        topo = tuple(r * 2 // p for r in range(p)) if algo == "hier" else None
+        for count in (1, 6):
+            for s in build_all(coll, algo, p, count, 1 % p, topo):
+                sp = compile_small(s, range(10, 10 + p))
+                for pattern in ((True,), (False,), (True, False, False)):
+                    for odd in (None, (s.rank + 1) % p):      # a peer whose fingerprint differs
+                        logs = []
+                        for form in ("loop", "straight", "exchange"):
+                            bufs = (np.arange(max(s.in_count, 1), dtype=np.float64)[:s.in_count],
+                                    np.zeros(s.out_count), np.zeros(sp.tmp_count))
+                            mine = np.array([7, count, 5], dtype=np.int64)
+                            rows = np.tile(mine, (p, 1))
+                            if odd is not None and odd != s.rank:
+                                rows[odd, 2] = 6
+                            t = _Recorder(bufs + (mine, rows), pattern)
+                            guard = Guard(Tag(8, 2, 0, 98, 3), mine, rows,
+                                          lambda: t.log.append("check"))
+                            if form == "loop":
+                                run_small(sp, t, bufs, kernel, Tag(8, 3, 0, 99, count), 1.0,
+                                          "w", spin=1e-5, guard=guard)
+                            else:
+                                straight_line(sp, form == "exchange", guarded=True)(
+                                    bufs, t, kernel, 8, 3, 99, count, 1.0, "w", 1e-5, guard)
+                            logs.append((t.log, [b.tolist() for b in bufs]))
+                        assert logs[0] == logs[1] == logs[2], (s.summary(), pattern, odd)
+                        assert any(e[0] == "send_now" and e[3][3] == 98 for e in logs[0][0]
+                                   if e != "check"), "the fingerprints went out"
