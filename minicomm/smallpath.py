@@ -14,6 +14,10 @@ with ``irecv`` and waited for by the transport's ordinary ``wait_all``, which sl
 and reports failed peers and mismatched calls). No request object, no queue, no lock held while
 waiting.
 
+The communicator runs the plan as generated straight-line code (``straight_line``: the same
+walk unrolled, a rooted call's fingerprint exchange included); ``run_small`` is the reference
+form that the tests compare the generated code against, call for call.
+
 Still the same schedule. ``compile_small`` compiles from the ``Schedule`` itself, and
 ``decompile`` turns a ``SmallPlan`` back into a ``Schedule`` (communicator ranks, buffer names,
 each step's ops in the order the compiled form runs them: local ops, then receives, then sends).
