@@ -527,8 +527,8 @@ class LinkEngine(Transport):
 
     def check_foreign(self, tag: Tag) -> None:
         """Before blocking in a collective (``tag``): the unclaimed messages of its context from
-        every peer (as far as ``_peek_all`` sees: shm's whole ring, else the head), checked by
-        base.check_foreign (an abort notice, or this call's sequence
+        every peer (as far as ``_peek_all`` sees: shm's whole ring, tcp's staged frames, else
+        the head), checked by base.check_foreign (an abort notice, or this call's sequence
         number with another signature, raises MismatchError / PeerFailure naming the peer)."""
         if not (tag[3] & 31):                   # p2p waits: other peers' traffic is normal
             return
@@ -550,8 +550,8 @@ class LinkEngine(Transport):
 
     def _peek_all(self, link):
         """The headers of the messages visible in ``link``'s inbound stream, oldest first, none
-        consumed. Here only the head (``_peek``): an engine that can read further (shm's ring)
-        overrides it, so that an abort notice behind an unreceived message is seen too."""
+        consumed. Here only the head (``_peek``): an engine that can read further (shm's ring,
+        tcp's staging buffer) overrides it, so that an abort notice behind an unreceived message is seen too."""
         head = self._peek(link)
         if head is not None:
             yield head

@@ -99,7 +99,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from minicomm.errors import COLLECTIVE_CODES, CommError, CommTimeout, PeerFailure, call_reduces
+from minicomm.errors import CommError, CommTimeout, PeerFailure, call_reduces
 from minicomm.rendezvous import accept_peers, dial_peer
 from minicomm.settings import byte_setting
 from . import cma, futex, segment
@@ -113,7 +113,6 @@ PAGE = 4096
 HDR = 64                              # record header: 8 int64
 CHUNK = 1 << 20                       # streaming unit of large messages
 EARLY_RING = 64 << 10                 # ring the doorbell at once after a record this large
-_P2P_CODE = COLLECTIVE_CODES.index("p2p")   # a packed call's collective bits for p2p
 EAGER = 16 << 10                      # isend/irecv move a message this small on the spot
 PEEK_RECORDS = 1024                   # records _peek_all reads before a rank blocks (bounded)
 SMALL_HOT_S = 10e-6                   # recv_now polls this long without yielding (see there)
@@ -806,7 +805,7 @@ class ShmTransport(LinkEngine):
         """Whether a message of ``nbytes`` (at least ``_cma_min``) of packed call ``call`` goes as
         a single-copy descriptor: not a reducing call's (module doc), and a point-to-point
         send's only from ``_cma_min_p2p``."""
-        if call & 31 == _P2P_CODE:
+        if not call & 31:             # the collective bits of a p2p call are 0
             return nbytes >= self._cma_min_p2p
         return self._cma_reduce or not call_reduces(call)
 
