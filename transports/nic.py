@@ -49,6 +49,7 @@ from minicomm.errors import CommError, CommTimeout
 from minicomm.rendezvous import accept_peers, dial_peer
 from minicomm.settings import byte_setting, env_flag
 from . import nicagent
+from .bytecopy import copy
 from .progress import fence
 from .segment import (
     PAGE,
@@ -184,7 +185,7 @@ class ArenaView:
         n = dst.nbytes
         status, off, _ = self.check(key, va, n, REMOTE_READ, token)
         if status == OK and n:
-            dst.reshape(-1).view(np.uint8)[:] = self.u8[off:off + n]
+            copy(dst, self.u8[off:off + n])
         return status
 
     def atomic(self, op, key, va, a, b, token):

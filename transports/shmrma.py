@@ -22,6 +22,7 @@ import os
 import numpy as np
 
 from minicomm.errors import CommError
+from .bytecopy import copy
 from .segment import PAGE, Arena, SharedMutex, round_up
 
 
@@ -79,10 +80,10 @@ class ShmChannel:
         return self.u8[off:off + count * np.dtype(dtype).itemsize].view(dtype)
 
     def put(self, off: int, src: np.ndarray) -> None:
-        self.u8[off:off + src.nbytes] = src
+        copy(self.u8[off:off + src.nbytes], src)
 
     def get(self, off: int, dst: np.ndarray) -> None:
-        dst[...] = self.u8[off:off + dst.nbytes]
+        copy(dst, self.u8[off:off + dst.nbytes])
 
     def update(self, off: int, nbytes: int, fn):
         """``fn(view)`` on the target's bytes [off, off+nbytes) under its mutex."""
