@@ -1,6 +1,6 @@
 """Copies at page-skewed offsets (transports/bytecopy.py): the rule, exact bytes at every offset
-and size, and that the executor's own-block copies, the ring's deliveries and single-copy reads
-never hand a skewed pair to memmove or to the kernel (where rep movsb runs at a fifth to a tenth
+and size, and that the executor's own-block copies and single-copy reads never hand a skewed
+pair to memmove or to the kernel (where rep movsb runs at a fifth to a tenth
 of its pace on AMD Zen 3/4). What is checked is the path taken, not a time: this machine is
 shared and noisy."""
 import mmap
@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 import minicomm as mc
 from leaks import job_segments, my_worker_processes, nothing_left_behind  # noqa: F401
 from minicomm.transports import bytecopy, cma
-from minicomm.transports.progress import deliver
 
 PAGE = 4096
 
@@ -71,23 +70,6 @@ def test_skewed_copies_take_the_ufunc_and_the_rest_memmove(monkeypatch):
         bytecopy.copy(d, s)
         assert bool(calls) == expect, (skew, size)
         assert (d == 3).all()
-
-
-def test_a_ring_delivery_into_a_skewed_destination_avoids_memmove(monkeypatch):
-    calls = []
-    real = bytecopy.skewed_copy
-    monkeypatch.setattr(bytecopy, "skewed_copy", lambda d, s: (calls.append(1), real(d, s)))
-    arena = _arena(2 << 20)
-    n = 128 << 10
-    landing = arena[64:64 + n]                 # a record's payload: 64 bytes into a page
-    landing[:] = np.arange(n, dtype=np.uint32).astype(np.uint8)
-
-    class Target:                              # the fields deliver reads of a receive
-        reduce = None
-        u8 = arena[(1 << 20) + 80:(1 << 20) + 80 + n]    # 16 bytes past the payload's offset
-        nbytes = n
-    deliver(Target, 0, landing)
-    assert calls == [1] and np.array_equal(Target.u8, landing)
 
 
 def _skewed_buffers(comm, nbytes):

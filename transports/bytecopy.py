@@ -18,11 +18,16 @@ user-space case, but only for a process started with it.
 ``copy(dst, src)`` makes the copies in that case -- ``TRAP_MIN`` bytes up to the L2 size (read
 from sysfs; 1 MiB when it cannot be) -- with numpy's identity ufunc over the bytes
 (``np.positive`` on uint8: a vector load/store loop, bit-exact, 12-20 GB/s at any offset) and
-leaves every other copy to memmove; shm.py routes a skewed single-copy read through a scratch
-placed at the source's page offset. Restrictions: both arrays C-contiguous and of one byte
-length. Cost: two address reads (~0.5-2 us on this VM, through ctypes) per copy of at least
-``TRAP_MIN`` bytes; the ufunc is 20-45% slower than an aligned memmove, which is why it is used
-only where the offset calls for it, on every CPU (a CPU-model table would go stale).
+leaves every other copy to memmove. The executor's local copies and the shm windows' put/get go
+through it, and shm.py routes a skewed single-copy read through a scratch placed at the source's
+page offset. Ring records are left to memmove: a payload's page offset moves from record to
+record (1 in 64 positions is skewed against a numpy buffer), so a per-record check would cost
+more than the rare slow record. Restrictions: both arrays C-contiguous and of one byte length.
+Cost: two address reads through ctypes per copy of at least ``TRAP_MIN`` bytes, 1.5-4 us on this
+VM (measured in-process: 128 KiB and larger copies, where that is under a third of an aligned
+memmove and a tenth of a skewed one); the ufunc is 20-45% slower than an aligned memmove, which
+is why it is used only where the offset calls for it, on every CPU (a CPU-model table would go
+stale). In-process A/B, heap-allocated buffers, n=2, 256 KiB: allgather 164-198 -> 100-123 us.
 """
 from __future__ import annotations
 
@@ -30,10 +35,10 @@ import ctypes
 
 import numpy as np
 
-# glibc's rep_movsb_threshold is 2 KiB (2112 bytes with AVX2), but below 16 KiB the check's
-# address reads cost about what the slow case loses (~4 us at 8 KiB), so smaller copies are left
-# to memmove as they come.
-TRAP_MIN = 16 << 10
+# glibc's rep_movsb_threshold is 2 KiB (2112 bytes with AVX2), but the check's two address reads
+# (1.5-4 us here) cost more than an aligned copy below ~64 KiB: smaller copies take memmove as
+# they come (in-process A/B at 64 KiB with a 16 KiB threshold: allgather 0.92x).
+TRAP_MIN = 128 << 10
 _U8 = np.dtype(np.uint8)
 _CHAR = ctypes.c_char
 

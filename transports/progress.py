@@ -45,7 +45,6 @@ from minicomm import settings
 from minicomm.errors import CommError, CommTimeout, PeerFailure, describe_call
 from minicomm.settings import byte_setting
 from .base import ReduceFn, Request, Tag, Transport, check_foreign, check_tag
-from .bytecopy import copy
 
 CLEAN_CLOSE = "it closed its transport"
 # Bytes of out-of-the-way messages one link may hold (see Inbox.match_header).
@@ -215,7 +214,7 @@ class Inbox:
         if req.reduce is not None:
             req.reduce(req.buf.reshape(-1), u.u8.view(req.buf.dtype))
         else:
-            copy(req.u8, u.u8)
+            req.u8[:] = u.u8
         req.done = True
 
     def cancel(self, comm: int) -> List:
@@ -235,9 +234,9 @@ def deliver(target, off: int, src_u8: np.ndarray) -> None:
     n = src_u8.shape[0]
     if target.reduce is None:
         if n == target.nbytes:
-            copy(target.u8, src_u8)           # the whole message: no slice to build
+            target.u8[...] = src_u8           # the whole message: no slice to build
         else:
-            copy(target.u8[off:off + n], src_u8)
+            target.u8[off:off + n] = src_u8
     else:
         buf = target.buf
         if n == target.nbytes and buf.ndim == 1:

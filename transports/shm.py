@@ -7,8 +7,7 @@ written by one side only) and a byte ring of records: a 64-byte header (the Tag,
 length, the chunk's offset and length) followed by the chunk, padded to 64 bytes. A record never
 wraps (a marker sends the reader back to the start), so every chunk is contiguous: the receiver
 copies it, or hands it to ``req.reduce(dst, chunk_view)`` straight out of the shared memory; the
-data crosses memory once on each side (every copy through bytecopy.copy, which keeps clear of
-memmove's slow case at page-skewed offsets). Messages larger than a chunk (1 MiB;
+data crosses memory once on each side. Messages larger than a chunk (1 MiB;
 ``MINICOMM_SHM_CHUNK``, a multiple of 4096, at most a quarter of the ring) are streamed record
 by record, so the sender's copy-in of chunk k+1 overlaps the receiver's reduce-out of chunk k,
 and messages larger than the ring simply flow through it. Chunks other than a message's last are
@@ -107,7 +106,6 @@ from minicomm.rendezvous import accept_peers, dial_peer
 from minicomm.settings import byte_setting
 from . import bytecopy, cma, futex, segment
 from .base import ReduceFn, Request, Tag
-from .bytecopy import TRAP_MIN, copy
 from .progress import CLEAN_CLOSE, Inbox, LinkEngine, Progress, Req, deliver, fence
 from .progress import fence_acquire as _fence_acquire
 from .progress import fence_release as _fence_release
@@ -599,7 +597,7 @@ class ShmTransport(LinkEngine):
                 ring = p.rx_typed[dt] = np.frombuffer(p.rx_mm, dtype=dt)
             i = (h + HDR) // dt.itemsize
             if reduce is None:
-                copy(flat, ring[i:i + flat.shape[0]])
+                flat[...] = ring[i:i + flat.shape[0]]
             else:
                 reduce(flat, ring[i:i + flat.shape[0]])
         tail += HDR + ((n + 63) & ~63)
@@ -637,9 +635,7 @@ class ShmTransport(LinkEngine):
         h = p.tx_data + pos
         mm = p.tx_mm
         _HDR.pack_into(mm, h, tag[0], tag[1], tag[2], tag[3], tag[4], n, 0, n)
-        if n >= TRAP_MIN:
-            copy(p.tx_u8[h + HDR:h + HDR + n], buf)
-        elif n:
+        if n:
             mm[h + HDR:h + HDR + n] = buf       # buffer protocol: a memcpy, no numpy views
         head += need
         p.tx_head = head
@@ -789,9 +785,9 @@ class ShmTransport(LinkEngine):
             t = req.tag
             _HDR.pack_into(p.tx_mm, h, t[0], t[1], t[2], t[3], t[4], nbytes, off, c)
             if c == nbytes:
-                copy(p.tx_u8[h + HDR:h + HDR + c], req.u8)
+                p.tx_mm[h + HDR:h + HDR + c] = req.u8
             elif c:
-                copy(p.tx_u8[h + HDR:h + HDR + c], req.u8[off:off + c])
+                p.tx_mm[h + HDR:h + HDR + c] = req.u8[off:off + c]
             head += HDR + ((c + 63) & ~63)
             p.tx_q[_HEAD] = head      # publish the record
             moved = True
