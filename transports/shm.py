@@ -985,7 +985,10 @@ class ShmTransport(LinkEngine):
         for lo in range(0, total, _PIECE):    # _PIECE is whole pages: every piece at offset k
             piece = scratch[k:k + min(_PIECE, total - lo)]
             cma.read(p.pid, addr + lo, piece)
-            deliver(target, lo, piece)
+            if target.reduce is None:         # the skewed pair again: bytecopy's ufunc
+                bytecopy.copy(target.u8[lo:lo + piece.shape[0]], piece)
+            else:
+                deliver(target, lo, piece)
 
     def _ring_if_sleeping(self, p: _Peer) -> None:
         """Ring ``p``'s doorbell if it may be asleep; the caller fenced after its last store."""
