@@ -123,9 +123,11 @@ def _single_copy_reads(comm):
 
 @pytest.mark.skipif(cma.disabled() is not None,
                     reason=f"single copy unavailable: {cma.disabled()}")
-def test_a_single_copy_read_into_a_skewed_destination_reads_through_an_aligned_scratch():
+def test_a_single_copy_read_into_a_skewed_destination_reads_through_an_aligned_scratch(
+        monkeypatch):
     # The receiver's buffer lies 16 bytes past the sender's modulo a page: the kernel's copy
     # must never be asked for that pair, and the bytes must arrive whole.
+    monkeypatch.setenv(cma.MIN_ENV, str(cma.DEFAULT_MIN))   # 1 MiB single-copy, whatever the pace
     res = mc.spawn(_single_copy_reads, 2, transport="shm", timeout=60)
     ok, reads, received = res[1]
     assert ok and res[0][0] and received == 1

@@ -155,7 +155,8 @@ def _small_receive_behind_a_descriptor(comm):
 
 
 @needs_cma
-def test_a_small_receive_behind_a_single_copy_descriptor_in_the_ring():
+def test_a_small_receive_behind_a_single_copy_descriptor_in_the_ring(monkeypatch):
+    monkeypatch.setenv(cma.MIN_ENV, str(cma.DEFAULT_MIN))   # the 4 MiB send goes single-copy
     assert mc.spawn(_small_receive_behind_a_descriptor, 2, transport="shm",
                     timeout=30) == [True, True]
 
@@ -198,7 +199,7 @@ def test_a_sender_killed_mid_job_is_a_peer_failure_not_a_hang():
 
 
 def _model_single_copy(comm):
-    return comm.link_model.single_copy
+    return comm.link_model.single_copy, comm.transport.single_copy_from()
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])
@@ -211,15 +212,16 @@ def test_the_cost_model_prices_single_copy_only_where_it_is_on(mode, monkeypatch
     elif cma.disabled() is not None:
         pytest.skip(f"single copy is off here: {cma.disabled()}")
     got = mc.spawn(_model_single_copy, 3, transport="shm", timeout=60)
-    from minicomm import cost
-    assert got == [cost.SINGLE_COPY_MIN["shm"] if mode == "on" else 0] * 3
+    chosen = got[0][1]                 # rank 0's pairs: the size their probes chose
+    assert chosen in ((cma.DEFAULT_MIN, cma.SLOW_MIN) if mode == "on" else (0,))
+    assert [m for m, _ in got] == [chosen] * 3
 
 
 def _thresholds(comm, marker):
     # a 1 MiB point-to-point send returns while its receiver is outside the library (eager,
     # through the ring): rank 1 enters it only once rank 0 says its send returned, which a
-    # rendezvous send would never do (rank 1 then gives up after 20 s); a collective's 512 KiB
-    # message goes single-copy
+    # rendezvous send would never do (rank 1 then gives up after 20 s); a collective's message
+    # of the size the pair's probe chose goes single-copy, one a byte smaller through the ring
     import time
     t = comm.transport
     big = np.arange(1 << 17, dtype=np.float64)                # 1 MiB
@@ -234,14 +236,53 @@ def _thresholds(comm, marker):
         got = comm.recv(0, tag=3)
         assert np.array_equal(got, big)
     p2p_reads = t.received_single_copy["cma"]
-    x = np.full(1 << 17, comm.rank + 1, dtype=np.float32)     # 512 KiB
-    y = comm.broadcast(x, root=0)
-    assert np.array_equal(y, np.ones_like(x))
-    return p2p_reads, t.received_single_copy["cma"]
+    chosen = t._peer(1 - comm.rank).cma_min        # what rank 1's probe chose for rank 0's sends
+    chosen = int(comm.broadcast(np.array([chosen]), root=0)[0])
+    below = comm.broadcast(np.full(chosen - 8, comm.rank + 1, dtype=np.uint8), root=0)
+    ring_reads = t.received_single_copy["cma"]
+    y = comm.broadcast(np.full(chosen, comm.rank + 1, dtype=np.uint8), root=0)
+    assert np.array_equal(y, np.ones(chosen, dtype=np.uint8)) and (below == 1).all()
+    return chosen, p2p_reads, ring_reads, t.received_single_copy["cma"]
 
 
 @needs_cma
-def test_collectives_go_single_copy_from_256k_and_p2p_stays_eager_to_2m(tmp_path):
+def test_collectives_go_single_copy_from_the_probed_size_and_p2p_stays_eager_to_2m(tmp_path):
     assert cma.DEFAULT_MIN == 256 << 10 and cma.P2P_MIN == 2 << 20
     res = mc.spawn(_thresholds, 2, args=(str(tmp_path / "sent"),), transport="shm", timeout=60)
-    assert res[1] == (0, 1)   # rank 1: the p2p payload came through the ring, the broadcast's not
+    assert res[1][0] in (cma.DEFAULT_MIN, cma.SLOW_MIN)
+    # rank 1: the p2p payload and the broadcast just below the size came through the ring, the
+    # broadcast of the size single-copy
+    assert res[1][1:] == (0, 0, 1)
+
+
+def test_the_probe_chooses_single_copy_from_256k_where_the_read_keeps_up_with_two_copies():
+    assert cma.choose_min(20e-6, 10e-6) == cma.DEFAULT_MIN       # read = the ring's two copies
+    assert cma.choose_min(8e-6, 12e-6) == cma.DEFAULT_MIN
+    assert cma.choose_min(46e-6, 10e-6) == cma.SLOW_MIN           # this EPYC VM: ~4.5x a copy
+    assert cma.SLOW_MIN > cma.P2P_MIN > cma.DEFAULT_MIN
+
+
+def _paces(comm):
+    t = comm.transport
+    return {p.rank: (p.cma_pace, p.cma_min) for p in t._peers.values()}, t.describe_copies()
+
+
+@needs_cma
+def test_each_senders_threshold_is_what_its_receivers_probe_chose():
+    res = mc.spawn(_paces, 3, transport="shm", timeout=60)
+    for r, (pairs, text) in enumerate(res):
+        for q, (pace, threshold) in pairs.items():
+            reader_pace = res[q][0][r][0]          # q's probe of r's memory decides r's sends
+            assert reader_pace is not None and reader_pace[0] > 0 and reader_pace[1] > 0
+            assert threshold == cma.choose_min(*reader_pace), (r, q)
+            assert f"{threshold} B to {q}" in text
+
+
+def _fixed(comm):
+    return sorted({p.cma_min for p in comm.transport._peers.values()})
+
+
+@needs_cma
+def test_minicomm_cma_min_overrides_the_probe(monkeypatch):
+    monkeypatch.setenv(cma.MIN_ENV, "123456")
+    assert mc.spawn(_fixed, 2, transport="shm", timeout=60) == [[123456], [123456]]

@@ -141,6 +141,12 @@ class RoutedTransport(Transport):
         return [p for t in self._transports.values()
                 for p in (t.single_copy_peers() if hasattr(t, "single_copy_peers") else ())]
 
+    def single_copy_from(self) -> int:
+        """The size from which collective sends go single-copy to the peers that read us (the
+        largest over the transports that have such peers; 0: none)."""
+        return max((t.single_copy_from() for t in self._transports.values()
+                    if hasattr(t, "single_copy_from")), default=0)
+
     def _route(self, peer: int) -> Transport:
         try:
             return self._by_peer[peer]

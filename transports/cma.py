@@ -17,14 +17,21 @@ setup, and a pair whose probe fails (or ``MINICOMM_CMA=0``) keeps the ring path:
 algorithms, the data copied twice through shared memory. The choice per peer is logged under
 ``MINICOMM_DEBUG=info`` and shown by ``ShmTransport.describe_copies()``.
 
-Cost: one system call per transfer (~1-3 us) plus one copy of the bytes (the kernel pins the
-remote pages as it goes, a few percent slower than a user-space memcpy of cache-cold data).
+Cost: one system call per transfer (~1-3 us) plus one copy of the bytes, the kernel pinning the
+remote pages as it goes. How fast that copy is depends on the machine: ~23 GB/s for a cached 512
+KiB on one VM this project runs on, ~6 GB/s on another (an EPYC, where a user-space memcpy of
+the same bytes runs at ~25 GB/s). So the setup probe also times the pair (``pace``: the best of
+three 256 KiB reads of the peer's probe buffer, and of three local copies of as many bytes), and
+``choose_min`` picks the size from which that peer's collective sends go single-copy: 256 KiB
+where the read keeps up with the ring's two copies, 16 MiB where it does not.
+``MINICOMM_CMA_MIN`` fixes the size for every pair instead.
 """
 from __future__ import annotations
 
 import ctypes
 import errno
 import os
+import time
 from typing import Optional
 
 import numpy as np
@@ -37,6 +44,14 @@ MIN_ENV = "MINICOMM_CMA_MIN"         # messages of at least this many bytes go s
 # server's push), where a single-copy send waits for the receiver to enter the library.
 DEFAULT_MIN = 256 << 10
 P2P_MIN = 2 << 20
+# Where the kernel's read is slow against a local copy (``choose_min``), a collective's messages
+# go single-copy only from this size: on an EPYC VM whose process_vm_readv moves ~6 GB/s against
+# ~25 GB/s for a cached memcpy, the ring's two pipelined copies won up to 8 MiB messages (in-process
+# A/B, n=2, 1 MiB calls: broadcast 486 -> 265 us, scatter 412 -> 198, gather 341 -> 150, allgather
+# 199 -> 155, alltoall 261 -> 156; n=4 1.3-1.9x) and single copy from 16 MiB (32 MiB calls:
+# broadcast 1.64x, allgather 1.36x, alltoall 1.22x faster single-copy).
+SLOW_MIN = 16 << 20
+PACE_BYTES = 256 << 10               # what the setup probe reads and copies to time the pair
 
 
 class _IoVec(ctypes.Structure):
@@ -72,6 +87,19 @@ def disabled() -> Optional[str]:
     if _bind() is None:
         return _unbound
     return None
+
+
+def choose_min(read_s: float, copy_s: float) -> int:
+    """The size from which a collective's messages to a peer go single-copy, from the setup
+    probe's best-of-3 times for reading ``PACE_BYTES`` of the peer's memory and for a local copy
+    of as many bytes: ``DEFAULT_MIN`` where the read keeps up with the ring's two copies of a
+    record (``read_s <= 2 * copy_s``), ``SLOW_MIN`` where it does not."""
+    return DEFAULT_MIN if read_s <= 2 * copy_s else SLOW_MIN
+
+
+def min_override() -> bool:
+    """Whether ``MINICOMM_CMA_MIN`` fixes the threshold (the probe's pace is then not used)."""
+    return os.environ.get(MIN_ENV) is not None
 
 
 def min_bytes(p2p: bool = False) -> int:
@@ -129,6 +157,23 @@ def read(pid: int, remote_addr: int, dst: np.ndarray) -> None:
 def write(pid: int, remote_addr: int, src: np.ndarray) -> None:
     """Copy ``src`` to ``remote_addr`` in process ``pid``."""
     _transfer(1, pid, src, remote_addr)
+
+
+def pace(pid: int, remote_addr: int, scratch: np.ndarray, local: np.ndarray,
+         tries: int = 3) -> tuple:
+    """(read seconds, copy seconds): the best of ``tries`` reads of ``scratch.nbytes`` bytes at
+    ``remote_addr`` of ``pid`` into ``scratch``, and of as many local copies of ``local`` into
+    ``scratch`` (the caller places ``scratch`` at the remote buffer's page offset and ``local``
+    at its own, so neither copy meets the page skew of bytecopy.py)."""
+    best_read = best_copy = float("inf")
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        read(pid, remote_addr, scratch)
+        t1 = time.perf_counter()
+        scratch[...] = local
+        t2 = time.perf_counter()
+        best_read, best_copy = min(best_read, t1 - t0), min(best_copy, t2 - t1)
+    return best_read, best_copy
 
 
 def probe(pid: int, remote_addr: int, expected: bytes) -> Optional[str]:

@@ -46,9 +46,10 @@ segments of its node before it completes the doorbell handshake, so a finished h
 peer proves it), on close, on any setup error and at exit; ``sweep_job_segments`` removes what a
 SIGKILLed rank left (the launcher calls it).
 
-Single copy (cma.py). A message of at least ``MINICOMM_CMA_MIN`` bytes (256 KiB; a point-to-point
-send's from 2 MiB, ``cma.P2P_MIN``, so a send of up to 2 MiB returns at once, while its receiver
-computes) of a call that does not reduce (broadcast, gather, scatter, allgather, alltoall, p2p), to
+Single copy (cma.py). A message of at least the pair's single-copy size (what the receiver's
+setup probe chose, ``cma.choose_min``: 256 KiB where its process_vm_readv keeps up with two
+copies, else 16 MiB; ``MINICOMM_CMA_MIN`` fixes it; a point-to-point send's also from 2 MiB,
+``cma.P2P_MIN``, so a send of up to 2 MiB returns at once, while its receiver computes) of a call that does not reduce (broadcast, gather, scatter, allgather, alltoall, p2p), to
 a peer that can read this process's memory with process_vm_readv, travels as one 128-byte
 *descriptor record* (the header with chunk length ``-2``, then the buffer's address) instead of
 chunks: the receiver, once its receive is posted, reads the bytes straight from the sender's
@@ -66,8 +67,9 @@ broadcast 155 -> 113 us, scatter 115 -> 84, alltoall 145 -> 93, allgather 124 ->
 64 MiB gather, scatter, broadcast, allgather, alltoall 1.16-1.39x. Reducing calls keep the ring
 (the sender copies the next chunk while the receiver reduces this one: two cores at work;
 single-copy with a scratch reduce measured 0.6-0.9x). Each rank
-probes every peer at setup (reads a random token from the peer's memory) and writes the verdict
-into the control page of the ring that peer sends into; a pair whose probe fails (EPERM under
+probes every peer at setup (reads a random token from the peer's memory, then times 256 KiB
+reads of it against a local copy) and writes the verdict and the chosen size into the control
+page of the ring that peer sends into; a pair whose probe fails (EPERM under
 ptrace restrictions or seccomp, ESRCH across pid namespaces) or a side with ``MINICOMM_CMA=0``
 keeps the ring path.
 
@@ -128,6 +130,7 @@ _SLEEP_SOCKET, _SLEEP_FUTEX = 1, 2    # its values while asleep: on the sockets 
 _FUTEX_WORD = 80                      # int32 index (byte 320, its own cache line): the futex word
 _RANKS_AT = 512                       # byte offset of the senders' ranks, after the flag's line
 _CMA_OK = 32                          # int64 index in a ring's control page: its receiver reads
+_CMA_FROM = 40                        # ... and the size its probe chose for single copy (cma.py)
                                       # the sender's memory (written by the receiver at setup)
 _PROBE_AT = 64                        # byte offset in a segment of the owner's pid, the address
 _PROBE = struct.Struct("@qq16s")      # of a token in its memory, and the token (cma.probe)
@@ -172,6 +175,13 @@ def sweep_job_segments(job_id: str) -> List[str]:
     return removed
 
 
+def _page_aligned(nbytes: int) -> np.ndarray:
+    """``nbytes`` of fresh memory starting on a page boundary."""
+    raw = np.zeros(nbytes + PAGE, dtype=np.uint8)
+    k = -bytecopy.address(raw) & (PAGE - 1)
+    return raw[k:k + nbytes]
+
+
 def _oversubscribed(local_ranks: int) -> bool:
     """True if this node's ranks outnumber the cores this process may run on (then a spinning
     rank must hand its core over between polls). ``MINICOMM_SPIN=yield|hot`` overrides."""
@@ -214,8 +224,8 @@ class _Peer:
     __slots__ = ("rank", "sock", "fd", "flag_q", "tx_mm", "tx_u8", "tx_ctl", "tx_data", "tx_size",
                  "tx_head", "tx_tail", "tx_chunk", "txq", "tx_q", "rx_mm", "rx_u8", "rx_ctl",
                  "rx_data", "rx_size", "rx_q", "rx_head", "rx_tail", "rx_cur", "inbox", "owed",
-                 "closed", "pid", "cma", "cma_read", "cma_wait", "rx_typed", "futex_i",
-                 "futex_addr")
+                 "closed", "pid", "cma", "cma_read", "cma_wait", "cma_min", "cma_pace",
+                 "rx_typed", "futex_i", "futex_addr")
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -235,6 +245,8 @@ class _Peer:
         self.cma = False              # our large sends to it go single-copy (it reads us)
         self.cma_read: Optional[str] = "not probed"   # None: we can read its memory; else why not
         self.cma_wait: deque = deque()  # (ring position past the descriptor, send) being read
+        self.cma_min = cma.DEFAULT_MIN  # our collective sends to it of this size go single-copy
+        self.cma_pace: Optional[tuple] = None   # (read s, copy s) of our setup probe of its memory
 
 
 class ShmTransport(LinkEngine):
@@ -266,7 +278,10 @@ class ShmTransport(LinkEngine):
         self._cma_min, self._cma_min_p2p = cma.min_bytes(), cma.min_bytes(p2p=True)
         self._cma_off = cma.disabled()           # why this side never sends single-copy
         self._cma_reduce = False                 # reducing calls single-copy too (measured: no)
-        self._probe_token = np.frombuffer(os.urandom(16), dtype=np.uint8).copy()
+        # the setup probe's buffer: a random token at its start, and PACE_BYTES that a peer reads
+        # to time its single-copy pace against ours (page-aligned: no skew, bytecopy.py)
+        self._probe_buf = _page_aligned(cma.PACE_BYTES)
+        self._probe_buf[:16] = np.frombuffer(os.urandom(16), dtype=np.uint8)
         self._reg_starts: List[int] = []         # registered memory: sorted start addresses,
         self._reg: Dict[int, tuple] = {}         # start -> (end, serial, path, mmap)
         self._reg_serial = 0
@@ -320,8 +335,7 @@ class ShmTransport(LinkEngine):
         _SEG.pack_into(self._mm, 0, _MAGIC, me, ring, chunk, len(peers))
         struct.pack_into(f"@{len(peers)}q", self._mm, _RANKS_AT, *peers)
         _PROBE.pack_into(self._mm, _PROBE_AT, os.getpid(),
-                         self._probe_token.__array_interface__["data"][0],
-                         self._probe_token.tobytes())
+                         bytecopy.address(self._probe_buf), self._probe_buf[:16].tobytes())
         self._flag_q = memoryview(self._mm)[:PAGE].cast("q")
         self._futex_i = memoryview(self._mm)[:PAGE].cast("i")
         if futex.AVAILABLE:
@@ -361,6 +375,8 @@ class ShmTransport(LinkEngine):
         # ... and probed our memory, leaving its verdict in the ring we send it through
         for p in self._peers.values():
             p.cma = self._cma_off is None and p.tx_q[_CMA_OK] == 1
+            p.cma_min = (self._cma_min if cma.min_override() or not p.tx_q[_CMA_FROM]
+                         else p.tx_q[_CMA_FROM])
         if os.environ.get("MINICOMM_DEBUG", "").lower() in ("info", "detail"):
             print(f"[minicomm rank {me}] {self.describe_copies()}", file=sys.stderr, flush=True)
         for p in self._peers.values():
@@ -403,6 +419,14 @@ class ShmTransport(LinkEngine):
         pid, addr, token = _PROBE.unpack_from(mm, _PROBE_AT)
         p.pid = pid
         p.cma_read = cma.probe(pid, addr, token)
+        if p.cma_read is None:
+            # how fast we read it against a copy of our own: the size from which its
+            # collective sends to us should go single-copy (cma.choose_min)
+            try:
+                p.cma_pace = cma.pace(pid, addr, _page_aligned(cma.PACE_BYTES), self._probe_buf)
+                p.rx_q[_CMA_FROM] = cma.choose_min(*p.cma_pace)
+            except cma.CmaError as e:
+                p.cma_read = f"its probe buffer could not be read whole ({e})"
         p.rx_q[_CMA_OK] = int(p.cma_read is None)   # before our handshake with it
         p.futex_i = memoryview(mm)[:PAGE].cast("i")
         if futex.AVAILABLE:
@@ -719,7 +743,7 @@ class ShmTransport(LinkEngine):
         head, tail = p.tx_head, p.tx_tail
         moved = False
         q = p.txq
-        single = self._cma_min if p.cma else -1
+        single = p.cma_min if p.cma else -1
         regs = self._reg_starts
         while q:
             req = q[0]
@@ -1056,6 +1080,11 @@ class ShmTransport(LinkEngine):
         """The peers our large sends reach single-copy (they read this process's memory)."""
         return [p.rank for p in self._peers.values() if p.cma]
 
+    def single_copy_from(self) -> int:
+        """The size from which our collective sends go single-copy to every peer that reads us
+        (the largest of the pairs' thresholds; 0: none does)."""
+        return max((p.cma_min for p in self._peers.values() if p.cma), default=0)
+
     def describe_copies(self) -> str:
         """How large messages move to and from each peer, and why (logged at setup under
         MINICOMM_DEBUG=info)."""
@@ -1067,8 +1096,12 @@ class ShmTransport(LinkEngine):
         reads = {p.rank: p.cma_read for p in self._peers.values() if p.cma_read is not None}
         text = f"rank {self.rank}: shm large messages"
         if single:
-            text += (f"; sends of >= {self._cma_min} B (point-to-point: >= {self._cma_min_p2p} B)"
-                     f" single-copy (process_vm_readv) to {single}")
+            froms = {p.rank: p.cma_min for p in self._peers.values() if p.cma}
+            why = ("MINICOMM_CMA_MIN" if cma.min_override() else
+                   "each peer's probe: its read of 256 KiB of ours against its own copy")
+            text += (f"; collective sends single-copy (process_vm_readv) to {single} from "
+                     + ", ".join(f"{b} B to {r}" for r, b in froms.items())
+                     + f" ({why}; point-to-point: also >= {self._cma_min_p2p} B)")
         if ring:
             text += "; ring copies to " + ", ".join(f"{r} ({why})" for r, why in ring.items())
         if reads:

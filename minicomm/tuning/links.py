@@ -252,10 +252,14 @@ def agree_link_model(comm, intra: str, inter: str) -> LinkModel:
         # the model prices shm's single-copy reads where rank 0's large sends reach every peer
         # on its node that way (the kernel may forbid them: transports/cma.py); the ranks of
         # one job share a user and a ptrace policy, so rank 0's view stands for every pair
+        # from the size the pairs' setup probes chose (shm: cma.choose_min, the largest of
+        # rank 0's pairs), else the transport kind's default
         reach = getattr(comm.transport, "single_copy_peers", None)
         peers = set(reach()) if reach is not None else set()
         local = [comm.group[r] for r in range(1, size) if topo[r] == topo[0]]
-        payload["single_copy"] = SINGLE_COPY_MIN.get(intra, 0) if all(
+        chosen = getattr(comm.transport, "single_copy_from", None)
+        payload["single_copy"] = ((chosen() if chosen is not None else 0)
+                                  or SINGLE_COPY_MIN.get(intra, 0)) if all(
             r in peers for r in local) else 0
         payload["cores"] = int(cores or 0)
         payload["table"] = [e for e in load_table() if e["intra"] == intra and e["inter"] == inter]
