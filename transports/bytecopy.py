@@ -18,8 +18,8 @@ user-space case, but only for a process started with it.
 ``copy(dst, src)`` makes the copies in that case -- ``TRAP_MIN`` bytes up to the L2 size (read
 from sysfs; 1 MiB when it cannot be) -- with numpy's identity ufunc over the bytes
 (``np.positive`` on uint8: a vector load/store loop, bit-exact, 12-20 GB/s at any offset) and
-leaves every other copy to memmove. The executor's local copies and the shm windows' put/get go
-through it, and shm.py routes a skewed single-copy read through a scratch placed at the source's
+leaves every other copy to memmove. The executor's local copies, registered-memory reads and
+the shm windows' put/get go through it, and shm.py routes a skewed single-copy read through a scratch placed at the source's
 page offset. Ring records are left to memmove: a payload's page offset moves from record to
 record (1 in 64 positions is skewed against a numpy buffer), so a per-record check would cost
 more than the rare slow record. Restrictions: both arrays C-contiguous and of one byte length.
