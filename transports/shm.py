@@ -49,8 +49,9 @@ SIGKILLed rank left (the launcher calls it).
 Single copy (cma.py). A message of at least the pair's single-copy size (what the receiver's
 setup probe chose, ``cma.choose_min``: 256 KiB where its process_vm_readv keeps up with two
 copies, else 16 MiB; ``MINICOMM_CMA_MIN`` fixes it; a point-to-point send's also from 2 MiB,
-``cma.P2P_MIN``, so a send of up to 2 MiB returns at once, while its receiver computes) of a call that does not reduce (broadcast, gather, scatter, allgather, alltoall, p2p), to
-a peer that can read this process's memory with process_vm_readv, travels as one 128-byte
+``cma.P2P_MIN``, so a send of up to 2 MiB returns at once, while its receiver computes) of a
+call that does not reduce (broadcast, gather, scatter, allgather, alltoall, p2p), to a peer
+that can read this process's memory with process_vm_readv, travels as one 128-byte
 *descriptor record* (the header with chunk length ``-2``, then the buffer's address) instead of
 chunks: the receiver, once its receive is posted, reads the bytes straight from the sender's
 buffer into the destination then advances ``tail`` past the record. The sender's request
@@ -59,9 +60,11 @@ sleeps): until then its buffer is in use, so such a send is a rendezvous send, w
 schedule is verified against. The bytes cross memory once, where the ring path copies them in
 and out. A read whose destination lies 1-31 bytes past the source modulo a page (two ranks that
 allocated alike: bytecopy.py) goes through a scratch at the source's page offset instead, since
-the kernel's own copy is 4-5x slower at that skew. process_vm_readv moves ~23 GB/s for a cache-warm 512 KiB here, ~10 GB/s at 4 MiB, ~4.8
-GB/s at 64 MiB, against ~13 GB/s for each of the ring's two cross-core copies of a cached record.
-Measured (in-process A/B, interleaved, 1 MiB calls, threshold 2 MiB against 256 KiB): n=2
+the kernel's own copy is 4-5x slower at that skew. On the VM where 256 KiB was chosen,
+process_vm_readv moved ~23 GB/s for a cache-warm 512 KiB, ~10 GB/s at 4 MiB, ~4.8 GB/s at 64
+MiB, against ~13 GB/s for each of the ring's two cross-core copies of a cached record (on an
+EPYC VM since: ~6 GB/s, the probe's 16 MiB case). Measured there (in-process A/B, interleaved,
+1 MiB calls, threshold 2 MiB against 256 KiB): n=2
 broadcast 155 -> 113 us, scatter 115 -> 84, alltoall 145 -> 93, allgather 124 -> 117, gather
 98 -> 102; n=4 5-15% faster except gather (264 -> 292: its senders wait for the root to read);
 64 MiB gather, scatter, broadcast, allgather, alltoall 1.16-1.39x. Reducing calls keep the ring
@@ -130,8 +133,8 @@ _SLEEP_SOCKET, _SLEEP_FUTEX = 1, 2    # its values while asleep: on the sockets 
 _FUTEX_WORD = 80                      # int32 index (byte 320, its own cache line): the futex word
 _RANKS_AT = 512                       # byte offset of the senders' ranks, after the flag's line
 _CMA_OK = 32                          # int64 index in a ring's control page: its receiver reads
-_CMA_FROM = 40                        # ... and the size its probe chose for single copy (cma.py)
                                       # the sender's memory (written by the receiver at setup)
+_CMA_FROM = 40                        # ... and the size its probe chose for single copy (cma.py)
 _PROBE_AT = 64                        # byte offset in a segment of the owner's pid, the address
 _PROBE = struct.Struct("@qq16s")      # of a token in its memory, and the token (cma.probe)
 _WRAP_REC = -1                        # chunk length of a wrap marker (the next record is at 0)
