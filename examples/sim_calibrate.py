@@ -71,6 +71,16 @@ def slim(rows):
     return [{k: r[k] for k in ROW_FIELDS if k in r} for r in rows]
 
 
+def single_copy_threshold(transport, env):
+    """The single-copy size a world of this transport agrees on here (shm: what its pairs' setup
+    probes chose, cma.choose_min; 0: none), read from a two-rank world's link model."""
+    code = ("import minicomm as mc\n"
+            f"print(mc.spawn(lambda c: c.link_model.single_copy, 2, transport={transport!r})[0])")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300, check=True)
+    return int(done.stdout.split()[-1])
+
+
 def record_run(out, transport, n, rnd, sizes, algos, batches):
     cache = tempfile.mkdtemp(prefix=f"cache-{transport}-n{n}-r{rnd}-", dir=out)
     env = dict(os.environ, MINICOMM_CACHE_DIR=cache)
@@ -84,8 +94,8 @@ def record_run(out, transport, n, rnd, sizes, algos, batches):
     rows = run_bench(os.path.join(out, f"{transport}-n{n}-r{rnd}.json"), transport, n, sizes,
                      algos, COLLS, env, batches)
     return {"transport": transport, "ranks": n, "round": rnd, "cores": int(cores or 0),
-            # shm's single-copy threshold this run had (the default; MINICOMM_CMA_MIN not set)
-            "single_copy": cost.SINGLE_COPY_MIN.get(transport, 0),
+            # the single-copy threshold this run had (shm: probed per pair at world start)
+            "single_copy": single_copy_threshold(transport, env),
             "batches": batches, "batch_time": BATCH_TIME,
             "load_before": load_before, "load_after": os.getloadavg(), "memory": memory,
             "wake": world_start.get("wake", 0.0), "world_start_links": world_start,

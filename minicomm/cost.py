@@ -110,10 +110,12 @@ PIPELINE_CHUNK = {"shm": 1 << 20}
 # A shm message crosses its pair's ring (transports/shm.py _default_ring_bytes: 4 MiB up to 16
 # peers): each of its two copies touches the user's buffer and the ring, which stays in cache.
 RING_BYTES = {"shm": 4 << 20}
-# shm's single-copy reads (transports/cma.py DEFAULT_MIN): a non-reducing call's messages this
-# large are read by the receiver straight from the sender's memory, where the kernel allows it,
-# at the pace of a memcpy of the call's working set (process_vm_readv measured here: ~23 GB/s at
-# 512 KiB, about δ(1 MiB); a 64 MiB tree broadcast, one read, 9.9 ms, about δ(64 MiB)).
+# shm's single-copy reads (transports/cma.py DEFAULT_MIN; a world's LinkModel carries the size
+# its pairs' setup probes chose, 256 KiB or 16 MiB, and this is only the fallback): a
+# non-reducing call's messages this large are read by the receiver straight from the sender's
+# memory, where the kernel allows it, at the pace of a memcpy of the call's working set
+# (process_vm_readv measured on the VM where it keeps up: ~23 GB/s at 512 KiB, about δ(1 MiB); a
+# 64 MiB tree broadcast, one read, 9.9 ms, about δ(64 MiB)).
 SINGLE_COPY_MIN = {"shm": 256 << 10}
 # The small-message path (minicomm.smallpath) runs a call whose every message is at most this
 # large (the transport's ``small_bytes``: shm's EAGER) without the executor's request objects,

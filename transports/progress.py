@@ -551,7 +551,8 @@ class LinkEngine(Transport):
     def _peek_all(self, link):
         """The headers of the messages visible in ``link``'s inbound stream, oldest first, none
         consumed. Here only the head (``_peek``): an engine that can read further (shm's ring,
-        tcp's staging buffer) overrides it, so that an abort notice behind an unreceived message is seen too."""
+        tcp's staging buffer) overrides it, so that an abort notice behind an unreceived message
+        is seen too."""
         head = self._peek(link)
         if head is not None:
             yield head
