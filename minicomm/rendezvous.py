@@ -36,9 +36,10 @@ built for) and refuses a member of any other job (another identity or size) with
 ``RendezvousError`` naming both jobs. Two processes claiming one rank of the same job mean two
 jobs that carry the same identity share this port (generic ``RANK`` / ``WORLD_SIZE`` /
 ``MASTER_PORT`` with nothing job-unique in them): before the world is complete that stops every
-member (the store is poisoned: every call, waiting ones included, raises the conflict); after it
-is complete only the newcomer is refused. ``wait_world`` blocks until every rank has joined, or
-reports how many did (``CommTimeout``).
+member (the store is poisoned: every call, waiting ones included, raises the conflict; the host
+closing it with ``linger`` first waits until every connected member has been sent that verdict);
+after it is complete only the newcomer is refused. ``wait_world`` blocks until every rank has
+joined, or reports how many did (``CommTimeout``).
 
 Peer links. ``dial_peer`` and ``accept_peers`` build the authenticated full mesh that shm and tcp
 use: the higher rank dials the lower one, authenticates, and both sides exchange ranks. Incoming
@@ -371,6 +372,7 @@ class StoreServer:
         self._cond = threading.Condition()
         self._closed = False
         self._conns = set()
+        self._told = set()            # connections already sent the poisoned verdict
         self._threads = set()
         self._listener = socket.create_server((host, port), family=_family(host), backlog=128)
         self.host = host
@@ -448,6 +450,10 @@ class StoreServer:
                 except (UnicodeDecodeError, struct.error, ValueError, OverflowError) as e:
                     raise StoreProtocolError(f"malformed request (op {op}): {e}") from None
                 conn.sendall(_RESP.pack(status, len(payload)) + payload)
+                if status == _ST_POISONED:
+                    with self._cond:          # the verdict is in this member's hands: close()
+                        self._told.add(conn)  # need not wait for it (see close's linger)
+                        self._cond.notify_all()
         except StoreProtocolError as e:       # a member broke the protocol: its connection ends
             log.warning("rendezvous store :%s: closing the connection of %s: "
                         "StoreProtocolError: %s", self.port, peer, e)
@@ -456,8 +462,10 @@ class StoreServer:
         finally:
             with self._cond:
                 self._conns.discard(conn)
+                self._told.discard(conn)
                 self._threads.discard(threading.current_thread())
                 self._conn_member.pop(cid, None)
+                self._cond.notify_all()       # a lingering close() waits for no one gone
             conn.close()
 
     def _handle(self, op: int, key: str, value: bytes, cid: int = 0) -> Tuple[int, bytes]:
@@ -565,10 +573,25 @@ class StoreServer:
         self._cond.notify_all()
         return _ST_POISONED, self._poisoned.encode()
 
-    def close(self) -> None:
+    def close(self, linger: float = 0.0) -> None:
+        """Stop serving. ``linger`` (seconds): if the store is poisoned, first wait until every
+        connected member has been sent the verdict (or has gone), at most that long. The host of
+        a poisoned rendezvous leaves right after reading the verdict itself; without this, a
+        member whose handler had not yet answered (woken in ``wait_world``, or between ``join``
+        and its next call) would see only a lost store, not the conflict. The wait returns as
+        soon as the last member is answered (each answer notifies), so it costs nothing when
+        every member is already waiting in the store."""
         with self._cond:
             if self._closed:
                 return
+            if self._poisoned is not None and linger > 0:
+                if not self._cond.wait_for(lambda: self._closed or self._conns <= self._told,
+                                           linger):
+                    log.info("rendezvous store :%s: closing with %d member(s) not yet told "
+                             "the verdict after %gs", self.port, len(self._conns - self._told),
+                             linger)
+                if self._closed:              # another close() finished meanwhile
+                    return
             self._closed = True
             self._cond.notify_all()
             conns, threads = list(self._conns), list(self._threads)

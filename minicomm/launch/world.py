@@ -95,15 +95,13 @@ def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
         try:
             store = _join(cfg, token, identity, deadline)
         except BaseException:
-            if server is not None:
-                server.close()
+            _close_server(server, deadline)
             raise
     try:
         members = store.wait_world(_left(deadline))
     except CommTimeout as e:
         store.close()
-        if server is not None:
-            server.close()
+        _close_server(server, deadline)
         msg = (f"rank {rank}: {len(e.arrived)} of {size} ranks arrived within {setup_timeout:g}s "
                f"(the setup timeout, MINICOMM_SETUP_TIMEOUT); missing ranks "
                f"{rank_ranges(e.missing)}. Did every rank start, with the same world size?")
@@ -112,8 +110,7 @@ def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
         raise err from None
     except BaseException:
         store.close()
-        if server is not None:
-            server.close()
+        _close_server(server, deadline)
         raise
     topology = cfg.get("topology")
     if topology is None:
@@ -129,8 +126,7 @@ def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
                     bind_host=bind or _peer_bind(addr, store), host_of_rank=tuple(hosts))
     except BaseException:
         store.close()
-        if server is not None:
-            server.close()
+        _close_server(server, deadline)
         raise
     t = fault.wrap(t, rank)      # MINICOMM_FAULT: t itself unless set (then no per-message cost)
     intra, inter = link_names(kind, len(set(topology)) > 1)
@@ -163,6 +159,19 @@ def _peer_bind(store_addr: str, store: Any) -> str:
         return store.local_address()
     except (AttributeError, OSError, NotImplementedError):
         return "0.0.0.0"
+
+
+def _close_server(server: Optional[StoreServer], deadline: float) -> None:
+    """Close the store this rank hosts on a failed setup. A poisoned store (two processes
+    claimed one rank, or conflicting writes) is first kept up until every connected member has
+    been sent the verdict, within the setup deadline: this rank read it first, and leaving at
+    once would give the others a lost store instead of the conflict (StoreServer.close)."""
+    if server is not None:
+        server.close(linger=max(_left(deadline), _MIN_LINGER))
+
+
+# a verdict reached at the very end of the setup deadline still gets this long to be delivered
+_MIN_LINGER = 1.0
 
 
 def _left(deadline: float) -> float:
