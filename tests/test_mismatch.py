@@ -183,3 +183,151 @@ def test_an_abort_notice_behind_unclaimed_data_is_found_while_waiting(transport)
     got = mc.spawn(_notice_behind_data, 3, transport=transport, timeout=60)[1]
     assert got is not None and got[0] in ("MismatchError", "PeerFailure"), got
     assert "rank 0" in got[1], got
+
+
+# The notice tests below drive the transport directly (the wait a collective's step makes) with
+# a context of no communicator for their own coordination (ASIDE: point-to-point, so the
+# collective waits never look at it), and end with every rank releasing the others.
+ASIDE = 7_000_001
+NOTICE_WAIT = 20.0
+
+
+def _notice_tags(comm):
+    from minicomm.errors import pack_call
+    from minicomm.transports.base import ABORT_CALL, ABORT_KINDS, Tag
+    call = pack_call("allreduce", "sum", "ring", np.dtype(np.float64), -1)
+    seq = comm._seq + 1               # the call this communicator makes next (world start made some)
+    notice = Tag(comm._ctx, -1, ABORT_KINDS.index("MismatchError"), ABORT_CALL, seq)
+    return notice, (lambda step: Tag(comm._ctx, seq, step, call, 5)), Tag
+
+
+def _wait_for_error(t, req):
+    try:
+        t.wait_all([req], time.monotonic() + NOTICE_WAIT, "allreduce (ring)")
+    except mc.CommError as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def _notice_from_a_finished_peer(comm):
+    # rank 0 sends rank 2 the abort notice of the call rank 2 is about to make, and leaves (its
+    # transport says goodbye); once rank 2 has seen that goodbye, it waits in that call for
+    # rank 1, which sends nothing
+    notice, call_tag, Tag = _notice_tags(comm)
+    t = comm.transport
+    if comm.rank == 0:
+        t.wait_all([t.isend(2, np.empty(0, np.uint8), notice)], time.monotonic() + 10, "send")
+        return None
+    if comm.rank == 1:
+        t.wait_all([t.irecv(2, np.empty(1), Tag(ASIDE, 1, 0, 0, 0))], time.monotonic() + 60, "x")
+        return None
+    never = t.irecv(1, np.empty(1), Tag(ASIDE, 0, 0, 0, 0))     # sent by nobody: waited on
+    while t._link(0).closed is None:        # until rank 0's goodbye has been read here
+        try:
+            t.wait_all([never], time.monotonic() + 0.1, "rank 0's goodbye")
+        except mc.CommTimeout:
+            pass
+    result = _wait_for_error(t, t.irecv(1, np.empty(5), call_tag(0)))
+    t.wait_all([t.isend(1, np.zeros(1), Tag(ASIDE, 1, 0, 0, 0))], time.monotonic() + 10, "x")
+    return result
+
+
+@pytest.mark.parametrize("transport", ["shm", "rdma", "ub"])
+def test_an_abort_notice_from_a_peer_that_has_closed_is_found_while_waiting(transport):
+    # found by CI (shm-tree-reduce_scatter-vs-alltoall-4-bad3): ranks 0 and 1 broke the
+    # communicator, left their notices in rank 2's rings and closed; rank 2, waiting on rank 3,
+    # read their goodbyes and from then on skipped their rings, timing out with both notices there
+    got = mc.spawn(_notice_from_a_finished_peer, 3, transport=transport, timeout=60)[2]
+    assert got is not None and got[0] in ("MismatchError", "PeerFailure"), got
+    assert "rank 0" in got[1], got
+
+
+def _notice_claimed_by_a_receive_not_waited_on(comm):
+    # rank 2 has posted a receive from rank 0 for a later step of the call; rank 0's abort notice
+    # is matched against it (poisoning the communicator on that link) while rank 2 waits for
+    # another message of rank 0's; then rank 2 waits in the call's first step for rank 1
+    notice, call_tag, Tag = _notice_tags(comm)
+    t = comm.transport
+    if comm.rank == 0:
+        t.wait_all([t.isend(2, np.empty(0, np.uint8), notice),
+                    t.isend(2, np.zeros(1), Tag(ASIDE, 0, 0, 0, 0))], time.monotonic() + 10, "x")
+    if comm.rank in (0, 1):
+        t.wait_all([t.irecv(2, np.empty(1), Tag(ASIDE, 1, 0, 0, 0))], time.monotonic() + 60, "x")
+        return None
+    t.irecv(0, np.empty(5), call_tag(1))                        # posted, not waited on yet
+    t.wait_all([t.irecv(0, np.empty(1), Tag(ASIDE, 0, 0, 0, 0))], time.monotonic() + 60, "x")
+    result = _wait_for_error(t, t.irecv(1, np.empty(5), call_tag(0)))
+    t.wait_all([t.isend(p, np.zeros(1), Tag(ASIDE, 1, 0, 0, 0)) for p in (0, 1)],
+               time.monotonic() + 10, "x")
+    return result
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_an_abort_notice_taken_by_a_receive_not_waited_on_is_found_while_waiting(transport):
+    got = mc.spawn(_notice_claimed_by_a_receive_not_waited_on, 3, transport=transport,
+                   timeout=60)[2]
+    assert got is not None and got[0] in ("MismatchError", "PeerFailure"), got
+    assert "rank 0" in got[1], got
+
+
+def _notice_behind_the_last_check(comm):
+    # rank 2's checks of the other peers' messages made before it raises its sleeping flag all
+    # miss rank 0's notice (as if it always landed just after them; such a notice rings no
+    # doorbell, since the flag was down when it landed); the check made with the flag raised
+    # must find it
+    from minicomm.transports import shm
+    notice, call_tag, Tag = _notice_tags(comm)
+    t = comm.transport
+    if comm.rank == 0:
+        t.wait_all([t.isend(2, np.empty(0, np.uint8), notice)], time.monotonic() + 10, "send")
+    if comm.rank in (0, 1):
+        t.wait_all([t.irecv(2, np.empty(1), Tag(ASIDE, 1, 0, 0, 0))], time.monotonic() + 60, "x")
+        return None
+    check = t.check_foreign
+
+    def check_only_while_flagged(tag):
+        if t._flag_q[shm._SLEEPING]:
+            check(tag)
+    t.check_foreign = check_only_while_flagged
+    result = _wait_for_error(t, t.irecv(1, np.empty(5), call_tag(0)))
+    del t.check_foreign
+    t.wait_all([t.isend(p, np.zeros(1), Tag(ASIDE, 1, 0, 0, 0)) for p in (0, 1)],
+               time.monotonic() + 10, "x")
+    return result
+
+
+def test_an_abort_notice_landing_after_the_check_before_sleep_is_found():
+    got = mc.spawn(_notice_behind_the_last_check, 3, transport="shm", timeout=60)[2]
+    assert got is not None and got[0] in ("MismatchError", "PeerFailure"), got
+    assert "rank 0" in got[1], got
+
+
+def _notice_queued_behind_a_large_send(comm, big):
+    # rank 0 breaks the communicator while a large message to rank 2 (of another context) is
+    # still flowing through its small ring: the notice is queued behind it, and the cancellation
+    # that follows the notice must not drop it; rank 2 takes the large message while it waits in
+    # the broken call for rank 1
+    notice, call_tag, Tag = _notice_tags(comm)
+    t = comm.transport
+    if comm.rank == 0:
+        t.isend(2, np.ones(big, np.uint8), Tag(ASIDE, 2, 0, 0, 0))
+        comm._break(mc.MismatchError("this rank called another collective (the test's)"))
+    if comm.rank in (0, 1):
+        t.wait_all([t.irecv(2, np.empty(1), Tag(ASIDE, 1, 0, 0, 0))], time.monotonic() + 60, "x")
+        return None
+    t.irecv(0, np.empty(big, np.uint8), Tag(ASIDE, 2, 0, 0, 0))
+    result = _wait_for_error(t, t.irecv(1, np.empty(5), call_tag(0)))
+    t.wait_all([t.isend(p, np.zeros(1), Tag(ASIDE, 1, 0, 0, 0)) for p in (0, 1)],
+               time.monotonic() + 10, "x")
+    return result
+
+
+# shm: 16 times its ring, under the single-copy size of a send; tcp: more than the sockets hold
+@pytest.mark.parametrize("transport,big", [("shm", 1 << 20), ("tcp", 64 << 20)])
+def test_an_abort_notice_queued_behind_a_send_survives_the_cancellation(transport, big,
+                                                                       monkeypatch):
+    monkeypatch.setenv("MINICOMM_SHM_RING_BYTES", str(64 << 10))
+    got = mc.spawn(_notice_queued_behind_a_large_send, 3, args=(big,), transport=transport,
+                   timeout=60)[2]
+    assert got is not None and got[0] in ("MismatchError", "PeerFailure"), got
+    assert "rank 0" in got[1], got

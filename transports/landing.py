@@ -391,7 +391,8 @@ class LandingEngine(LinkEngine):
         return self._by_peer[peer]
 
     def _peek(self, link: _Link):
-        if link.closed is not None or getattr(link, "landing", None) is None:
+        # a closed peer's records too: what arrived before it left is whole in our landing ring
+        if getattr(link, "landing", None) is None:
             return None
         mm = self.device.arena.mm
         tail, n = link.tail, link.consumed

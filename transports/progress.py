@@ -16,7 +16,9 @@ descriptors until the deadline -- or, when the only engine is shm with a futex w
 which ``epoll_wait(0)`` reads the doorbell sockets (a peer's EOF or abort). Before blocking it tells the engines (``sleep(True)``: shm raises
 a flag its peers read before deciding to ring a doorbell), issues a full fence, and makes one
 last pass: what arrived before the flag was visible is found by that pass, what arrives after it
-rings. All descriptors are edge-triggered: an edge means "something changed, look again"; engines
+rings. The pass includes ``check_foreign`` (a collective's look at every peer's unclaimed
+messages): an abort notice lands where no request looks, and rings nobody while the flag is
+down. All descriptors are edge-triggered: an edge means "something changed, look again"; engines
 keep their own readable/writable hints and drain what they read. shm doorbells and tcp sockets
 both report a dead peer as EOF/HUP, so death is noticed while blocked, without polling.
 
@@ -44,7 +46,7 @@ import numpy as np
 from minicomm import settings
 from minicomm.errors import CommError, CommTimeout, PeerFailure, describe_call
 from minicomm.settings import byte_setting
-from .base import ReduceFn, Request, Tag, Transport, check_foreign, check_tag
+from .base import ABORT_CALL, ReduceFn, Request, Tag, Transport, check_foreign, check_tag
 
 CLEAN_CLOSE = "it closed its transport"
 # Bytes of out-of-the-way messages one link may hold (see Inbox.match_header).
@@ -330,6 +332,14 @@ class Progress:
                     os.close(fd)
             self.cv.notify_all()
 
+    def _check_foreign(self, tag) -> None:
+        """Raise if a message from any peer of any engine proves the call waiting on ``tag``
+        cannot complete (``LinkEngine.check_foreign``)."""
+        for e in self.engines:
+            check = getattr(e, "check_foreign", None)
+            if check is not None:
+                check(tag)
+
     def _pass(self) -> bool:
         moved = False
         for e in self.engines:
@@ -399,10 +409,7 @@ class Progress:
                         spin_until += spin - SPIN_S
                 if now >= spin_until:
                     # about to block: a message from any peer may prove the call cannot complete
-                    for e in self.engines:
-                        check = getattr(e, "check_foreign", None)
-                        if check is not None:
-                            check(pending.tag)
+                    self._check_foreign(pending.tag)
                 if now < spin_until:
                     block = False
                 elif self._polling:
@@ -422,7 +429,19 @@ class Progress:
                         for e in self.engines:
                             e.sleep(True)
                         fence()
-                    if self._pass():              # arrived before our flag was visible
+                    try:
+                        # what arrived before our flag was visible: a message for a request, or
+                        # one from any peer that proves the call cannot complete (an abort
+                        # notice lands in a ring nobody waits on, and rings no doorbell while
+                        # our flag is down: found here or woken for)
+                        moved = self._pass()
+                        if not moved:
+                            self._check_foreign(pending.tag)
+                    except BaseException:
+                        for e in self.engines:
+                            e.sleep(False)
+                        raise
+                    if moved:
                         for e in self.engines:
                             e.sleep(False)
                         if self._waiters:
@@ -527,14 +546,20 @@ class LinkEngine(Transport):
 
     def check_foreign(self, tag: Tag) -> None:
         """Before blocking in a collective (``tag``): the unclaimed messages of its context from
-        every peer (as far as ``_peek_all`` sees: shm's whole ring, tcp's staged frames, else
-        the head), checked by base.check_foreign (an abort notice, or this call's sequence
-        number with another signature, raises MismatchError / PeerFailure naming the peer)."""
+        every peer, closed ones included (as far as ``_peek_all`` sees: shm's whole ring, tcp's
+        staged frames, else the head), checked by base.check_foreign (an abort notice, or this
+        call's sequence number with another signature, raises MismatchError / PeerFailure naming
+        the peer); and the error a receive of the context met on any link (a notice matched
+        against a receive posted for a later step, which nobody waits on yet)."""
         if not (tag[3] & 31):                   # p2p waits: other peers' traffic is normal
             return
         ctx = tag[0]
         for link in self._links():
             ib = link.inbox
+            if ib.errors:
+                e = ib.errors.get(ctx)
+                if e is not None:               # a receive not waited on here met a notice
+                    raise _copy_error(e)
             q = ib.unexpected.get(ctx) if ib.unexpected else None
             if q:
                 for u in q:                     # held already: a notice may sit behind data
@@ -574,8 +599,11 @@ class LinkEngine(Transport):
                 if cur is not None and cur.tag[0] == ctx and cur.__class__ is Req:
                     _detach_locked(cur)          # mid-arrival: finish into a private buffer
                 # sends that have not started to move are dropped; a started one finishes (the
-                # stream must stay framed for the other communicators)
-                kept = [r for r in link.txq if r.tag[0] != ctx or r.off > 0]
+                # stream must stay framed for the other communicators), and an abort notice
+                # stays: it is how the peers learn of this (a notice queued behind a send
+                # still flowing goes once that send has)
+                kept = [r for r in link.txq
+                        if r.tag[0] != ctx or r.off > 0 or r.tag[3] == ABORT_CALL]
                 if len(kept) != len(link.txq):
                     link.txq.clear()
                     link.txq.extend(kept)

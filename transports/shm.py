@@ -1067,8 +1067,10 @@ class ShmTransport(LinkEngine):
         """The headers (comm, seq, step, call, count) of the records in ``p``'s inbound ring,
         oldest first, at most ``PEEK_RECORDS``, none consumed: a rank about to block sees an
         abort notice that sits behind a message nobody has received yet (a message of this very
-        call, for a later step), not only the head of the stream."""
-        if p.rx_mm is None or p.closed is not None:
+        call, for a later step), not only the head of the stream. A closed peer's too: what it
+        published before it left stays readable (the ring is in our segment), and the notice
+        of a rank that broke the communicator and then finished is its last record."""
+        if p.rx_mm is None:
             return
         tail, head = p.rx_tail, p.rx_q[_HEAD]
         size, data, mm = p.rx_size, p.rx_data, p.rx_mm

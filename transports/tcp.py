@@ -324,14 +324,14 @@ class TcpTransport(LinkEngine):
         return self._conns[peer]
 
     def _peek(self, c: _Conn):
-        if c.closed is not None:
-            return None
+        # a closed connection's staged frames too: they arrived whole before its end (a notice
+        # of a rank that broke the communicator and then finished comes just before its EOF)
         if c.hi - c.lo < FRAME:
             self._fill(c)                       # reads only into the staging buffer
             if c.hi - c.lo < FRAME:
                 return None
         comm, seq, step, call, count, total = _FRAME.unpack_from(c.rx, c.lo)
-        if comm in (ABORT_COMM, BYE_COMM):
+        if comm in (ABORT_COMM, BYE_COMM) or not 0 <= total <= MAX_PAYLOAD:
             return None
         return comm, seq, step, call, count
 
