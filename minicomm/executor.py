@@ -18,11 +18,15 @@ else in the step touches the region, so the result is the one the verifier prove
 """
 from __future__ import annotations
 
+import threading
+import time
 from typing import Sequence
 
 import numpy as np
 
+from .errors import CommTimeout
 from .schedule import IN, OUT, TMP, Copy, Recv, Reduce, Schedule, Send
+from .settings import byte_setting, env_flag
 from .transports.base import Tag
 from .transports.bytecopy import copy
 
@@ -33,6 +37,12 @@ _BUF_INDEX = {IN: 0, OUT: 1, TMP: 2}
 FUSE_MIN_COUNT = 4096
 
 _new_tag = tuple.__new__
+# A step's local ops of at least this many bytes run on a helper thread beside the step's
+# messages where the plan allows it (``_background_steps``) and the node has the cores
+# (``_helpers_allowed``): a gather root's copy of its own 32 MiB block takes ~4 ms here, as long
+# as reading the peer's block; a thread costs ~0.1 ms to start.
+BACKGROUND_MIN_BYTES = byte_setting("MINICOMM_LOCAL_THREAD_BYTES", 4 << 20)
+LOCAL_THREADS = env_flag("MINICOMM_LOCAL_THREADS", True)
 # Large local copies go in pieces of this many bytes: one memcpy of many MiB runs ~1.4x slower
 # here than the same bytes in cache-sized pieces (measured: 32 MiB in 3.3-4.8 ms whole, 2.4 ms
 # in 256 KiB pieces). Every local copy goes through bytecopy.copy: an out-of-place call's input
@@ -56,8 +66,10 @@ class Plan:
     (receives, then sends), (is_send, world peer, buffer, lo, hi, whole, reduce, fused) where
     ``whole`` says the slice is the entire buffer, and ``fused`` is the ``in`` offset of a copy
     folded into a reduce-receive (-1: none). ``early`` holds, in the same form, the sends
-    posted before the local ops (``_early_sends``); ``posts`` then has the rest."""
-    __slots__ = ("schedule", "steps", "tmp_count", "_alias")
+    posted before the local ops (``_early_sends``); ``posts`` then has the rest.
+    ``background``: per step, the step at whose end its local ops must be done if they may run
+    on a helper thread while the messages move (``_background_steps``), else -1."""
+    __slots__ = ("schedule", "steps", "tmp_count", "_alias", "background")
 
     def __init__(self, schedule: Schedule, world_ranks: Sequence[int]):
         self.schedule = schedule
@@ -88,6 +100,7 @@ class Plan:
             early, late = _early_sends(sends, local)
             steps.append((early, tuple(local), tuple(recvs) + late))
         self.steps = tuple(steps)
+        self.background = _background_steps(self.steps)
 
     def alias_safe(self, shift: int) -> bool:
         """``alias_safe`` of this plan's schedule, memoised per shift."""
@@ -111,6 +124,82 @@ def _early_sends(sends: list, local: list):
     late_peers = {s[1] for s in sends if written(s[2], s[3], s[4])}
     early = tuple(s for s in sends if s[1] not in late_peers)
     return early, tuple(s for s in sends if s[1] in late_peers)
+
+
+def _background_steps(steps) -> tuple:
+    """Per step, where its local ops may be joined if they run beside the messages (-1: they
+    run first, as the schedule says). A step's local ops may run on a helper thread when no
+    message of the step, nor any op of the next step, touches what they write, and no receive
+    of either writes what they read: every op then sees the bytes the sequential order gives
+    it. They are joined at the end of the next step when that step is also free of them (a
+    copy-only step followed by a message step: ring gather, scatter and alltoall), else at the
+    end of their own step if it receives or has late sends (its early sends overlap the local
+    ops already: a broadcast root's copy gains nothing from a thread); a step whose ops run
+    beside the previous step's helper starts none of its own, so at most one helper runs at a
+    time."""
+    def regions(local):
+        reads = [(sb, so, so + n) for _, sb, so, _, _, n, _ in local if n > 0]
+        writes = [(db, do, do + n) for _, _, _, db, do, n, _ in local if n > 0]
+        return reads, writes
+
+    def hit(rs, b, lo, hi):
+        return any(rb == b and rlo < hi and lo < rhi for rb, rlo, rhi in rs)
+
+    def free_of(reads, writes, step, with_local: bool) -> bool:
+        early, local, posts = step
+        for is_send, _, b, lo, hi, _, _, fused in early + posts:
+            if hit(writes, b, lo, hi) or (not is_send and hit(reads, b, lo, hi)):
+                return False
+            if fused >= 0 and hit(writes, 0, fused, fused + hi - lo):
+                return False
+        if with_local:
+            r2, w2 = regions(local)
+            if any(hit(writes, b, lo, hi) for b, lo, hi in r2 + w2) or \
+                    any(hit(reads, b, lo, hi) for b, lo, hi in w2):
+                return False
+        return True
+    out = [-1] * len(steps)
+    busy_until = -1
+    for i, st in enumerate(steps):
+        early, local, posts = st
+        if not local or i <= busy_until:
+            continue
+        reads, writes = regions(local)
+        if not free_of(reads, writes, st, False):
+            continue
+        nxt = steps[i + 1] if i + 1 < len(steps) else None
+        if nxt is not None and (nxt[0] or nxt[2]) and free_of(reads, writes, nxt, True):
+            out[i] = busy_until = i + 1
+        elif posts:
+            # its own step's receives or late sends overlap the ops; its early sends already do
+            out[i] = busy_until = i
+    return tuple(out)
+
+
+class _Helper:
+    """One step's local ops on a thread of their own (``run_plan``): numpy's copies and ufuncs
+    release the GIL, so they proceed while the calling thread moves the messages."""
+    __slots__ = ("thread", "error")
+    started = 0                       # helpers this process started (tests, profiles)
+
+    def __init__(self, fn):
+        self.error = None
+        _Helper.started += 1
+
+        def body():
+            try:
+                fn()
+            except BaseException as e:          # re-raised by join, in the calling thread
+                self.error = e
+        self.thread = threading.Thread(target=body, name="minicomm-local-ops", daemon=True)
+        self.thread.start()
+
+    def join(self, deadline: float, what: str) -> None:
+        self.thread.join(max(0.0, deadline - time.monotonic()))
+        if self.thread.is_alive():
+            raise CommTimeout(f"{what}: the call's local copy did not finish within the timeout")
+        if self.error is not None:
+            raise self.error
 
 
 def _fusable(step) -> dict:
@@ -237,44 +326,75 @@ def run_plan(plan: Plan, transport, bufs, kernel, tag: Tag, deadline: float, wha
         def wait_all(reqs, dl, w):
             guard.wait(transport, reqs, dl, w)
     comm, seq, call, count = tag[0], tag[1], tag[3], tag[4]
-    i = -1
-    for early, local, posts in plan.steps:
-        i += 1
-        if early:
-            t = _new_tag(Tag, (comm, seq, i, call, count))
-            reqs = [isend(peer, bufs[b] if whole else bufs[b][lo:hi], t)
-                    for _, peer, b, lo, hi, whole, _, _ in early]
-        else:
-            reqs = None
-        for kind, sb, so, db, do, n, whole in local:
-            if whole:
-                d, s = bufs[db], bufs[sb]
+    background = plan.background if _helpers_allowed(transport, bufs) else None
+    helper = joins = None
+    try:
+        i = -1
+        for early, local, posts in plan.steps:
+            i += 1
+            if early:
+                t = _new_tag(Tag, (comm, seq, i, call, count))
+                reqs = [isend(peer, bufs[b] if whole else bufs[b][lo:hi], t)
+                        for _, peer, b, lo, hi, whole, _, _ in early]
             else:
-                d, s = bufs[db][do:do + n], bufs[sb][so:so + n]
-            if kind != _LOCAL_COPY:
-                kernel(d, s)
-            elif d.nbytes < _COPY_PIECE << 2:
-                copy(d, s)
-            else:
-                _copy_pieces(d, s)
-        if not posts:
+                reqs = None
+            if local:
+                if background is not None and background[i] >= 0 and \
+                        _local_bytes(local, bufs) >= BACKGROUND_MIN_BYTES:
+                    helper = _Helper(lambda local=local: _run_local(local, bufs, kernel))
+                    joins = background[i]
+                else:
+                    _run_local(local, bufs, kernel)
+            if posts:
+                if reqs is None:
+                    t = _new_tag(Tag, (comm, seq, i, call, count))
+                    reqs = []
+                for is_send, peer, b, lo, hi, whole, red, fused in posts:
+                    view = bufs[b] if whole else bufs[b][lo:hi]
+                    if is_send:
+                        reqs.append(isend(peer, view, t))
+                    elif not red:
+                        reqs.append(irecv(peer, view, t))
+                    elif fused < 0:
+                        reqs.append(irecv(peer, view, t, kernel))
+                    else:
+                        src = bufs[0][fused:fused + hi - lo]
+                        reqs.append(irecv(peer, view, t, _InOp(kernel.ufunc, view, src)))
             if reqs:
                 wait_all(reqs, deadline, what)
-            continue
-        if reqs is None:
-            t = _new_tag(Tag, (comm, seq, i, call, count))
-            reqs = []
-        for is_send, peer, b, lo, hi, whole, red, fused in posts:
-            view = bufs[b] if whole else bufs[b][lo:hi]
-            if is_send:
-                reqs.append(isend(peer, view, t))
-            elif not red:
-                reqs.append(irecv(peer, view, t))
-            elif fused < 0:
-                reqs.append(irecv(peer, view, t, kernel))
-            else:
-                src = bufs[0][fused:fused + hi - lo]
-                reqs.append(irecv(peer, view, t, _InOp(kernel.ufunc, view, src)))
-        wait_all(reqs, deadline, what)
-    if guard is not None:
-        guard.finish(transport, deadline, what)
+            if joins == i:
+                h, helper, joins = helper, None, None
+                h.join(deadline, what)
+        if guard is not None:
+            guard.finish(transport, deadline, what)
+    finally:
+        if helper is not None:
+            # an error ended the call early: once it returns, nothing writes the caller's buffers
+            helper.thread.join()
+
+
+def _run_local(local, bufs, kernel) -> None:
+    for kind, sb, so, db, do, n, whole in local:
+        if whole:
+            d, s = bufs[db], bufs[sb]
+        else:
+            d, s = bufs[db][do:do + n], bufs[sb][so:so + n]
+        if kind != _LOCAL_COPY:
+            kernel(d, s)
+        elif d.nbytes < _COPY_PIECE << 2:
+            copy(d, s)
+        else:
+            _copy_pieces(d, s)
+
+
+def _local_bytes(local, bufs) -> int:
+    return sum(op[5] for op in local) * bufs[1].itemsize
+
+
+def _helpers_allowed(transport, bufs) -> bool:
+    """Local ops may run on a helper thread (``Plan.background``): the transport says this
+    node's ranks do not outnumber its cores, the caller's input and output are separate memory
+    (an in-place call's ``in`` lies inside ``out``, where the regions the plan names do not
+    say what overlaps), and ``MINICOMM_LOCAL_THREADS`` is not 0."""
+    return (LOCAL_THREADS and getattr(transport, "oversubscribed", True) is False
+            and not np.may_share_memory(bufs[0], bufs[1]))

@@ -45,6 +45,7 @@ Cost: per message one header write or read and one copy or reduce of the payload
 """
 from __future__ import annotations
 
+import re
 from typing import Optional, Sequence, Tuple
 
 from .schedule import IN, OUT, TMP, Copy, Recv, Reduce, Schedule, Send
@@ -301,9 +302,7 @@ def straight_line(plan: SmallPlan, exchange: bool = False, guarded: bool = False
     lines = ["def run(bufs, transport, kernel, comm, seq, call, count, deadline, what, spin"
              + (", guard):" if guarded else "):"),
              "    i, o, t = bufs",
-             "    send_now, recv_now = transport.send_now, transport.recv_now"]
-    if exchange:
-        lines.append("    sendrecv_now = transport.sendrecv_now")
+             None]                    # the transport's methods the body calls (filled in below)
     if guarded:
         lines += ["    gm, gt = guard.mine, guard.tag",
                   "    late = None"]
@@ -339,7 +338,7 @@ def straight_line(plan: SmallPlan, exchange: bool = False, guarded: bool = False
                       "    if r != 3:",
                       "        if r == 0:",
                       f"            reqs = [transport.isend({peer}, {sv}, tag)]",
-                      f"            if not recv_now({peer}, {rv}, tag, {k_}, 0.0):",
+                      f"            if not transport.recv_now({peer}, {rv}, tag, {k_}, 0.0):",
                       f"                reqs.append(transport.irecv({peer}, {rv}, tag, {k_}))",
                       "        else:",
                       f"            reqs = [transport.irecv({peer}, {rv}, tag, {k_})]",
@@ -379,6 +378,12 @@ def straight_line(plan: SmallPlan, exchange: bool = False, guarded: bool = False
             lines += fingerprints(plan.never_from)
         lines += ["    if late is not None:",
                   "        transport.wait_all(late, deadline, what)"]
+    # look up only the methods the body calls: a latency-bound call pays for every line
+    body = "\n".join(lines[3:])
+    used = [m for m in ("send_now", "recv_now", "sendrecv_now")
+            if re.search(rf"(?<![\w.]){m}\(", body)]
+    lines[2] = (f"    {', '.join(used)} = {', '.join('transport.' + m for m in used)}"
+                if used else "    pass")
     scope = {"Tag": Tag, "_new_tag": _new_tag, "_take_fingerprints": _take_fingerprints,
              "_GROUP": group}
     exec(compile("\n".join(lines) + "\n", f"<smallpath {plan.schedule.summary()}>", "exec"),

@@ -134,3 +134,63 @@ def test_separate_tells_the_same_array_from_an_overlap():
     other = np.zeros(8, dtype=np.float32)
     assert sep(a, other, other) is a
     assert sep(a, a.view(np.int32), a.view(np.int32)) is not a     # same bytes, other dtype
+
+
+# ------------------------------------------------------------------ local ops on a helper thread
+def _background(coll, algo, rank, p, root=0):
+    return Plan(build_schedule(coll, algo, rank, p, 64, root=root), list(range(p))).background
+
+
+def test_local_ops_run_beside_the_messages_only_where_no_op_sees_the_difference():
+    # ring gather / scatter / alltoall, 2 ranks: a copy-only step, then the message step, which
+    # touches other blocks: the copy may run while the messages move, joined after step 1
+    assert _background("gather", "ring", 0, 2) == (1, -1)
+    assert _background("scatter", "ring", 0, 2) == (1, -1)
+    assert _background("alltoall", "ring", 1, 2) == (1, -1)
+    # tree gather's root copies its block and receives the other in the same step
+    assert _background("gather", "tree", 0, 2) == (0,)
+    # ring allgather sends the block its copy writes, in the same step: the copy goes first
+    assert _background("allgather", "ring", 0, 2) == (-1,)
+    # a broadcast root's send reads `in` and already goes before its copy: nothing to gain
+    assert _background("broadcast", "tree", 0, 2) == (-1,)
+    # a non-root gather rank has no local op
+    assert set(_background("gather", "ring", 1, 2)) == {-1}
+
+
+def test_local_ops_wait_for_a_next_step_that_reads_what_they_write():
+    b = ScheduleBuilder("gather", "ring", 0, 2, 4)
+    b.step(Copy(IN, 0, OUT, 0, 4))
+    b.step(Send(1, OUT, 0, 4))                     # reads the copy's output
+    assert Plan(b.build(), [0, 1]).background == (-1, -1)
+    b = ScheduleBuilder("gather", "ring", 0, 2, 4)
+    b.step(Copy(IN, 0, OUT, 0, 4))
+    b.step(Recv(1, IN, 0, 4))                      # writes what the copy reads
+    assert Plan(b.build(), [0, 1]).background == (-1, -1)
+    b = ScheduleBuilder("gather", "ring", 0, 2, 4)
+    b.step(Copy(IN, 0, OUT, 0, 4))
+    b.step(Recv(1, OUT, 4, 4))                     # another region: free
+    assert Plan(b.build(), [0, 1]).background == (1, -1)
+
+
+def _matrix_with_helpers(comm):
+    """The collective matrix over shm with every eligible local op on a helper thread: the
+    size threshold at 0, the small path off (so every call runs the executor), and the node
+    taken as having a core per helper whatever this machine has."""
+    from collective_check import matrix
+    from minicomm import executor
+    executor.BACKGROUND_MIN_BYTES = 0
+    comm.small_path = False
+    comm.transport.oversubscribed = False
+    before = executor._Helper.started
+    n = 0
+    for algo in FAMILIES:
+        n += matrix(comm, algo, counts=(1, 7, FUSE_MIN_COUNT + 3), dtypes=("int32", "float64"),
+                    all_roots=True, every_op=False)
+    return n, executor._Helper.started - before
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_results_with_local_ops_on_helper_threads_match_numpy(p):
+    res = mc.spawn(_matrix_with_helpers, p, transport="shm", timeout=300)
+    assert all(n > 0 for n, _ in res)
+    assert sum(started for _, started in res) > 0, "no helper ran: the test checks nothing"

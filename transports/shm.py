@@ -527,20 +527,45 @@ class ShmTransport(LinkEngine):
         spin)``, as one call: a step that exchanges with one peer (every step of a 2-rank call,
         each round of recursive doubling) looks the peer up and takes the lock once. Returns 0
         (nothing sent, nothing received: the caller goes on as after a failed ``send_now``),
-        1 (sent; the receive is the caller's to post) or 3 (both done)."""
+        1 (sent; the receive is the caller's to post) or 3 (both done).
+
+        This is a latency-bound call's whole critical path, so the common case is written out
+        here rather than in ``_put`` / ``_take``: a record that fits before the ring's end, and
+        an answer that is the next record of the peer's ring, whole (or arrives within ``spin``
+        while we poll its head word without the lock). Anything else -- a wrap, a full ring, an
+        earlier receive or unexpected message of the communicator, a mismatched header -- goes
+        through ``_put`` / ``_take``, which decide exactly as before."""
         p = self._peers.get(peer) or self._peer(peer)
+        n = sbuf.nbytes
         lock = self._lock
         lock.acquire()
         try:
-            if p.txq or p.closed is not None or sbuf.nbytes > EAGER or not self._put(p, sbuf, tag):
+            if p.txq or p.closed is not None or n > EAGER:
                 return 0
-            _fence_acquire()          # as send_now
+            head = p.tx_head
+            size = p.tx_size
+            pos = head % size
+            need = HDR + ((n + 63) & ~63)
+            if need <= size - pos and need <= size - head + p.tx_tail \
+                    and sbuf.flags.c_contiguous:
+                h = p.tx_data + pos
+                mm = p.tx_mm
+                _HDR.pack_into(mm, h, tag[0], tag[1], tag[2], tag[3], tag[4], n, 0, n)
+                if n:
+                    mm[h + HDR:h + HDR + n] = sbuf
+                head += need
+                p.tx_head = head
+                p.tx_q[_HEAD] = head          # publish the record
+            elif not self._put(p, sbuf, tag):
+                return 0
+            _fence_acquire()                  # fence(), inline (send_now)
             _fence_release()
             if p.flag_q[_SLEEPING]:
                 self._ring_if_sleeping(p)
             else:
                 p.owed = False
-            if p.rx_cur is None and self._take(p, rbuf, tag, reduce):
+            if p.rx_cur is None and p.rx_q[_HEAD] != p.rx_tail and self._take(p, rbuf, tag,
+                                                                                reduce):
                 return 3
         finally:
             lock.release()
