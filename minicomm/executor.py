@@ -68,7 +68,8 @@ class Plan:
     folded into a reduce-receive (-1: none). ``early`` holds, in the same form, the sends
     posted before the local ops (``_early_sends``); ``posts`` then has the rest.
     ``background``: per step, the step at whose end its local ops must be done if they may run
-    on a helper thread while the messages move (``_background_steps``), else -1."""
+    on a helper thread while the messages move (``_background_steps``), else -1; None where no
+    step's may."""
     __slots__ = ("schedule", "steps", "tmp_count", "_alias", "background")
 
     def __init__(self, schedule: Schedule, world_ranks: Sequence[int]):
@@ -100,7 +101,8 @@ class Plan:
             early, late = _early_sends(sends, local)
             steps.append((early, tuple(local), tuple(recvs) + late))
         self.steps = tuple(steps)
-        self.background = _background_steps(self.steps)
+        bg = _background_steps(self.steps)
+        self.background = bg if any(j >= 0 for j in bg) else None
 
     def alias_safe(self, shift: int) -> bool:
         """``alias_safe`` of this plan's schedule, memoised per shift."""
@@ -309,7 +311,9 @@ class LazyCheck:
 
     def finish(self, transport, deadline: float, what: str) -> None:
         """At the end of the call: every guarded receive arrived and passed, every send left."""
-        transport.wait_all(list(self.recvs) + list(self.sends), deadline, what)
+        pending = [r for r in self.recvs if not r.done] + [r for r in self.sends if not r.done]
+        if pending:
+            transport.wait_all(pending, deadline, what)
         if not self.settled:
             self.settled = True
             self.check()
@@ -326,7 +330,9 @@ def run_plan(plan: Plan, transport, bufs, kernel, tag: Tag, deadline: float, wha
         def wait_all(reqs, dl, w):
             guard.wait(transport, reqs, dl, w)
     comm, seq, call, count = tag[0], tag[1], tag[3], tag[4]
-    background = plan.background if _helpers_allowed(transport, bufs) else None
+    background = plan.background
+    if background is not None and not _helpers_allowed(transport, bufs):
+        background = None
     helper = joins = None
     try:
         i = -1

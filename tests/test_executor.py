@@ -137,8 +137,14 @@ def test_separate_tells_the_same_array_from_an_overlap():
 
 
 # ------------------------------------------------------------------ local ops on a helper thread
+def _steps_background(plan):
+    """``plan.background`` spelled out per step (None means no step's ops run on a helper)."""
+    return plan.background if plan.background is not None else (-1,) * len(plan.steps)
+
+
 def _background(coll, algo, rank, p, root=0):
-    return Plan(build_schedule(coll, algo, rank, p, 64, root=root), list(range(p))).background
+    return _steps_background(Plan(build_schedule(coll, algo, rank, p, 64, root=root),
+                                  list(range(p))))
 
 
 def test_local_ops_run_beside_the_messages_only_where_no_op_sees_the_difference():
@@ -161,15 +167,15 @@ def test_local_ops_wait_for_a_next_step_that_reads_what_they_write():
     b = ScheduleBuilder("gather", "ring", 0, 2, 4)
     b.step(Copy(IN, 0, OUT, 0, 4))
     b.step(Send(1, OUT, 0, 4))                     # reads the copy's output
-    assert Plan(b.build(), [0, 1]).background == (-1, -1)
+    assert Plan(b.build(), [0, 1]).background is None
     b = ScheduleBuilder("gather", "ring", 0, 2, 4)
     b.step(Copy(IN, 0, OUT, 0, 4))
     b.step(Recv(1, IN, 0, 4))                      # writes what the copy reads
-    assert Plan(b.build(), [0, 1]).background == (-1, -1)
+    assert Plan(b.build(), [0, 1]).background is None
     b = ScheduleBuilder("gather", "ring", 0, 2, 4)
     b.step(Copy(IN, 0, OUT, 0, 4))
     b.step(Recv(1, OUT, 4, 4))                     # another region: free
-    assert Plan(b.build(), [0, 1]).background == (1, -1)
+    assert _steps_background(Plan(b.build(), [0, 1])) == (1, -1)
 
 
 def _matrix_with_helpers(comm):

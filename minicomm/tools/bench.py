@@ -62,6 +62,7 @@ from .benchspec import (
     busbw_factor,
     format_size,
     make_cases,
+    page_aligned_empty,
     parse_size,
     size_steps,
 )
@@ -199,7 +200,8 @@ def _agree_max(comm, values: Sequence[float]) -> np.ndarray:
 
 
 def _bench_case(comm, cfg: BenchConfig, case: Case, runners, watchdog: Watchdog) -> List[dict]:
-    b = Buffers(case, cfg.op, comm.rank, cfg.root, comm.empty if cfg.registered else np.empty)
+    b = Buffers(case, cfg.op, comm.rank, cfg.root,
+                comm.empty if cfg.registered else page_aligned_empty)
     try:
         return _bench_buffers(comm, cfg, case, runners, watchdog, b)
     finally:

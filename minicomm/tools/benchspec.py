@@ -175,17 +175,32 @@ def expected_result(case: Case, op: str, rank: int, root: int) -> Optional[np.nd
     raise ValueError(coll)
 
 
+PAGE = 4096
+
+
+def page_aligned_empty(count: int, dtype) -> np.ndarray:
+    """``np.empty(count, dtype)`` starting on a page boundary, as OSU's and nccl-tests' buffers
+    do. Heap arrays allocated one after the other often lie 16 bytes apart modulo a page, where
+    the C library's memmove runs several times slower on AMD Zen (transports/bytecopy.py): every
+    library's local copy between the send and receive buffers then depends on allocation luck
+    (MPICH's out-of-place 1 MiB scatter measured 82 us in one run and 370-410 us in others)."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(count * dtype.itemsize + PAGE, dtype=np.uint8)
+    k = -raw.__array_interface__["data"][0] % PAGE
+    return raw[k:k + count * dtype.itemsize].view(dtype)
+
+
 class Buffers:
     """The buffers of one case on one rank, shared by every library (numpy memory; torch wraps it
     without a copy). ``send``/``recv`` for out-of-place calls, ``ip`` for in-place ones, laid out
     as nccl-tests does: allgather/gather input at block ``rank`` of the output, reduce_scatter /
     scatter output at block ``rank`` of the input."""
 
-    def __init__(self, case: Case, op: str, rank: int, root: int, alloc=np.empty):
+    def __init__(self, case: Case, op: str, rank: int, root: int, alloc=page_aligned_empty):
         self.case, self.rank = case, rank
         dt, c = case.dtype, case.count
         coll = case.collective
-        # alloc: np.empty, or comm.empty for registered buffers (``--registered``)
+        # alloc: page-aligned heap memory, or comm.empty for registered buffers (``--registered``)
         self.send = alloc(case.in_count, dtype=dt)
         self.recv = alloc(case.out_count, dtype=dt)
         self.ip = alloc(max(case.in_count, case.out_count), dtype=dt)
