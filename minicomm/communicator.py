@@ -383,19 +383,28 @@ class Communicator:
         calls")."""
         return Guard(*self._fingerprint_exchange(call, count, shape))
 
-    def _post_fingerprints(self, call: int, count: int, shape: Tuple[int, ...]) -> LazyCheck:
+    def _post_fingerprints(self, call: int, count: int, shape: Tuple[int, ...],
+                           plan: Optional[Plan] = None) -> LazyCheck:
         """The fingerprint check of a rooted call without its round trip: every rank sends its
         fingerprint to every other (small eager sends) and the call's data moves at once; the
         steps' waits compare the fingerprints as they arrive and every rank compares all of them
         before the call returns, so a disagreement (on the root above all: such ranks may never
         exchange data) is still a MismatchError on every rank, where otherwise a wait would
-        time out. Same sequence number and tag as ``_fingerprint_check``'s allgather."""
+        time out. Same sequence number and tag as ``_fingerprint_check``'s allgather.
+
+        The sends go first: a peer may be waiting on ours. Receives from the peers ``plan``
+        receives data from are posted now (their fingerprint is checked before their data is
+        waited for); the others' when the call ends (``LazyCheck.later``)."""
         tag, mine, rows, check = self._fingerprint_exchange(call, count, shape)
-        t = self.transport
+        t, group = self.transport, self.group
         others = [r for r in range(self.size) if r != self.rank]
-        recvs = [t.irecv(self.group[r], rows[r], tag) for r in others]
-        sends = [t.isend(self.group[r], mine, tag) for r in others]   # 24 bytes: eager
-        return LazyCheck(recvs, check, sends)
+        sends = [t.isend(group[r], mine, tag) for r in others]   # 24 bytes: eager
+        heard = plan.recv_peers if plan is not None else None
+        recvs = [t.irecv(group[r], rows[r], tag) for r in others
+                 if heard is None or group[r] in heard]
+        later = [(group[r], rows[r], tag) for r in others
+                 if heard is not None and group[r] not in heard]
+        return LazyCheck(recvs, check, sends, later)
 
     def _fingerprint_exchange(self, call: int, count: int, shape: Tuple[int, ...]):
         """What both forms of the lazy fingerprint check share: the tag (the next sequence
@@ -511,7 +520,7 @@ class Communicator:
             elif c.small is not None and self.small_path:
                 small_guard = self._small_guard(c.call, count, shape)
             else:
-                guard = self._post_fingerprints(c.call, count, shape)
+                guard = self._post_fingerprints(c.call, count, shape, c.plan)
         self._seq += 1
         seq = self._seq
         if self.debug_info:

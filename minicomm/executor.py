@@ -67,10 +67,11 @@ class Plan:
     ``whole`` says the slice is the entire buffer, and ``fused`` is the ``in`` offset of a copy
     folded into a reduce-receive (-1: none). ``early`` holds, in the same form, the sends
     posted before the local ops (``_early_sends``); ``posts`` then has the rest.
+    ``recv_peers``: the world ranks it receives from.
     ``background``: per step, the step at whose end its local ops must be done if they may run
     on a helper thread while the messages move (``_background_steps``), else -1; None where no
     step's may."""
-    __slots__ = ("schedule", "steps", "tmp_count", "_alias", "background")
+    __slots__ = ("schedule", "steps", "tmp_count", "_alias", "background", "recv_peers")
 
     def __init__(self, schedule: Schedule, world_ranks: Sequence[int]):
         self.schedule = schedule
@@ -101,6 +102,8 @@ class Plan:
             early, late = _early_sends(sends, local)
             steps.append((early, tuple(local), tuple(recvs) + late))
         self.steps = tuple(steps)
+        self.recv_peers = frozenset(p[1] for _, _, posts in self.steps for p in posts
+                                    if not p[0])
         bg = _background_steps(self.steps)
         self.background = bg if any(j >= 0 for j in bg) else None
 
@@ -287,20 +290,27 @@ class LazyCheck:
     """Receives that must complete, and pass ``check()``, before the call they guard may
     return, without holding the call's data back: the steps' waits also watch them and run
     ``check`` (which raises) as soon as all have arrived. The communicator uses it for the call
-    fingerprints of rooted collectives, so they cost no round trip before the data moves."""
-    __slots__ = ("recvs", "sends", "check", "settled")
+    fingerprints of rooted collectives, so they cost no round trip before the data moves.
 
-    def __init__(self, recvs, check, sends=()):
+    ``later``: ``(peer, buffer, tag)`` of guarded receives posted only by ``finish``, from
+    peers the call receives no data from (a gather's root, for its other ranks): nothing
+    waits on them before the end, and posting them there keeps their cost off the path to the
+    call's first send. Each is its peer's first message of the call, so FIFO matching finds
+    it however late it is posted."""
+    __slots__ = ("recvs", "sends", "check", "settled", "later")
+
+    def __init__(self, recvs, check, sends=(), later=()):
         self.recvs, self.check, self.settled = recvs, check, False
         self.sends = sends            # waited for at the end: the peers need them to return
+        self.later = later
 
     def wait(self, transport, reqs, deadline: float, what: str) -> None:
         """Wait for ``reqs`` as ``wait_all`` does, checking the guarded receives on arrival."""
         while not self.settled:
             fp = [r for r in self.recvs if not r.done]
             if not fp:
-                self.settled = True
-                self.check()
+                self.check()          # the rows of ``later`` peers still hold our own
+                self.settled = not self.later
                 break
             pending = [r for r in reqs if not r.done]
             if not pending:
@@ -311,6 +321,11 @@ class LazyCheck:
 
     def finish(self, transport, deadline: float, what: str) -> None:
         """At the end of the call: every guarded receive arrived and passed, every send left."""
+        if self.later:
+            self.recvs = list(self.recvs) + [transport.irecv(peer, buf, tag)
+                                             for peer, buf, tag in self.later]
+            self.later = ()
+            self.settled = False
         pending = [r for r in self.recvs if not r.done] + [r for r in self.sends if not r.done]
         if pending:
             transport.wait_all(pending, deadline, what)
