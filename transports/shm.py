@@ -529,12 +529,11 @@ class ShmTransport(LinkEngine):
         (nothing sent, nothing received: the caller goes on as after a failed ``send_now``),
         1 (sent; the receive is the caller's to post) or 3 (both done).
 
-        This is a latency-bound call's whole critical path, so the common case is written out
-        here rather than in ``_put`` / ``_take``: a record that fits before the ring's end, and
-        an answer that is the next record of the peer's ring, whole (or arrives within ``spin``
-        while we poll its head word without the lock). Anything else -- a wrap, a full ring, an
-        earlier receive or unexpected message of the communicator, a mismatched header -- goes
-        through ``_put`` / ``_take``, which decide exactly as before."""
+        This is a latency-bound call's whole critical path, so the common record (one that fits
+        before the ring's end) is written out here rather than through ``_put``, and ``_take``
+        is tried under the lock only if the peer's head word has moved (else ``_take_within``
+        polls it without the lock). Anything else -- a wrap, a full ring -- goes through
+        ``_put``, which decides exactly as before."""
         p = self._peers.get(peer) or self._peer(peer)
         n = sbuf.nbytes
         lock = self._lock
