@@ -43,6 +43,7 @@ _new_tag = tuple.__new__
 # as reading the peer's block; a thread costs ~0.1 ms to start.
 BACKGROUND_MIN_BYTES = byte_setting("MINICOMM_LOCAL_THREAD_BYTES", 4 << 20)
 LOCAL_THREADS = env_flag("MINICOMM_LOCAL_THREADS", True)
+HELPER_JOIN_S = 60.0          # the longest an error path waits for a helper's local copy to end
 # Large local copies go in pieces of this many bytes: one memcpy of many MiB runs ~1.4x slower
 # here than the same bytes in cache-sized pieces (measured: 32 MiB in 3.3-4.8 ms whole, 2.4 ms
 # in 256 KiB pieces). Every local copy goes through bytecopy.copy: an out-of-place call's input
@@ -391,7 +392,8 @@ def run_plan(plan: Plan, transport, bufs, kernel, tag: Tag, deadline: float, wha
     finally:
         if helper is not None:
             # an error ended the call early: once it returns, nothing writes the caller's buffers
-            helper.thread.join()
+            # (a local copy ends; the bound only keeps this wait from being unbounded)
+            helper.thread.join(max(HELPER_JOIN_S, deadline - time.monotonic()))
 
 
 def _run_local(local, bufs, kernel) -> None:
