@@ -384,7 +384,7 @@ class Communicator:
         return Guard(*self._fingerprint_exchange(call, count, shape))
 
     def _post_fingerprints(self, call: int, count: int, shape: Tuple[int, ...],
-                           plan: Optional[Plan] = None) -> LazyCheck:
+                           plan: Plan) -> LazyCheck:
         """The fingerprint check of a rooted call without its round trip: every rank sends its
         fingerprint to every other (small eager sends) and the call's data moves at once; the
         steps' waits compare the fingerprints as they arrive and every rank compares all of them
@@ -399,11 +399,9 @@ class Communicator:
         t, group = self.transport, self.group
         others = [r for r in range(self.size) if r != self.rank]
         sends = [t.isend(group[r], mine, tag) for r in others]   # 24 bytes: eager
-        heard = plan.recv_peers if plan is not None else None
-        recvs = [t.irecv(group[r], rows[r], tag) for r in others
-                 if heard is None or group[r] in heard]
-        later = [(group[r], rows[r], tag) for r in others
-                 if heard is not None and group[r] not in heard]
+        heard = plan.recv_peers
+        recvs = [t.irecv(group[r], rows[r], tag) for r in others if group[r] in heard]
+        later = [(group[r], rows[r], tag) for r in others if group[r] not in heard]
         return LazyCheck(recvs, check, sends, later)
 
     def _fingerprint_exchange(self, call: int, count: int, shape: Tuple[int, ...]):

@@ -45,7 +45,6 @@ Cost: per message one header write or read and one copy or reduce of the payload
 """
 from __future__ import annotations
 
-import re
 from typing import Optional, Sequence, Tuple
 
 from .schedule import IN, OUT, TMP, Copy, Recv, Reduce, Schedule, Send
@@ -303,11 +302,13 @@ def straight_line(plan: SmallPlan, exchange: bool = False, guarded: bool = False
              + (", guard):" if guarded else "):"),
              "    i, o, t = bufs",
              None]                    # the transport's methods the body calls (filled in below)
+    used = set()
     if guarded:
         lines += ["    gm, gt = guard.mine, guard.tag",
                   "    late = None"]
         for r in range(len(group)):
             if r != me:
+                used.add("send_now")
                 lines += [f"    if not send_now({group[r]}, gm, gt):",
                           "        if late is None:",
                           "            late = []",
@@ -334,6 +335,7 @@ def straight_line(plan: SmallPlan, exchange: bool = False, guarded: bool = False
             _, rb, rlo, rhi, red, rwhole = recvs[0]
             sv, rv, k_ = region(b, lo, hi, whole), region(rb, rlo, rhi, rwhole), \
                 "kernel" if red else "None"
+            used.add("sendrecv_now")
             lines += [f"    r = sendrecv_now({peer}, {sv}, {rv}, tag, {k_}, spin)",
                       "    if r != 3:",
                       "        if r == 0:",
@@ -346,6 +348,7 @@ def straight_line(plan: SmallPlan, exchange: bool = False, guarded: bool = False
             continue
         lines.append("    reqs = None")
         for peer, b, lo, hi, whole in sends:
+            used.add("send_now")
             lines += [f"    v = {region(b, lo, hi, whole)}",
                       f"    if not send_now({peer}, v, tag):",
                       "        if reqs is None:",
@@ -356,6 +359,7 @@ def straight_line(plan: SmallPlan, exchange: bool = False, guarded: bool = False
         if len(recvs) == 1:
             peer, b, lo, hi, red, whole = recvs[0]
             k_ = "kernel" if red else "None"
+            used.add("recv_now")
             lines += [f"    v = {region(b, lo, hi, whole)}",
                       f"    if not recv_now({peer}, v, tag, {k_}, spin if reqs is None else 0.0):",
                       "        if reqs is None:",
@@ -379,9 +383,7 @@ def straight_line(plan: SmallPlan, exchange: bool = False, guarded: bool = False
         lines += ["    if late is not None:",
                   "        transport.wait_all(late, deadline, what)"]
     # look up only the methods the body calls: a latency-bound call pays for every line
-    body = "\n".join(lines[3:])
-    used = [m for m in ("send_now", "recv_now", "sendrecv_now")
-            if re.search(rf"(?<![\w.]){m}\(", body)]
+    used = sorted(used)
     lines[2] = (f"    {', '.join(used)} = {', '.join('transport.' + m for m in used)}"
                 if used else "    pass")
     scope = {"Tag": Tag, "_new_tag": _new_tag, "_take_fingerprints": _take_fingerprints,

@@ -63,6 +63,14 @@ def page_skewed(dst_addr: int, src_addr: int) -> bool:
     return 0 < (dst_addr - src_addr) & 4095 < 32
 
 
+def page_aligned(nbytes: int) -> np.ndarray:
+    """``nbytes`` of fresh (zeroed) memory starting on a page boundary: no pair of such buffers
+    is ever page-skewed."""
+    raw = np.zeros(nbytes + 4096, dtype=np.uint8)
+    k = -address(raw) & 4095
+    return raw[k:k + nbytes]
+
+
 def address(a: np.ndarray) -> int:
     """The address of ``a``'s first byte (through ctypes for a writable array: a third of the
     time ``__array_interface__`` takes to build its dict)."""

@@ -178,13 +178,6 @@ def sweep_job_segments(job_id: str) -> List[str]:
     return removed
 
 
-def _page_aligned(nbytes: int) -> np.ndarray:
-    """``nbytes`` of fresh memory starting on a page boundary."""
-    raw = np.zeros(nbytes + PAGE, dtype=np.uint8)
-    k = -bytecopy.address(raw) & (PAGE - 1)
-    return raw[k:k + nbytes]
-
-
 def _oversubscribed(local_ranks: int) -> bool:
     """True if this node's ranks outnumber the cores this process may run on (then a spinning
     rank must hand its core over between polls). ``MINICOMM_SPIN=yield|hot`` overrides."""
@@ -283,7 +276,7 @@ class ShmTransport(LinkEngine):
         self._cma_reduce = False                 # reducing calls single-copy too (measured: no)
         # the setup probe's buffer: a random token at its start, and PACE_BYTES that a peer reads
         # to time its single-copy pace against ours (page-aligned: no skew, bytecopy.py)
-        self._probe_buf = _page_aligned(cma.PACE_BYTES)
+        self._probe_buf = bytecopy.page_aligned(cma.PACE_BYTES)
         self._probe_buf[:16] = np.frombuffer(os.urandom(16), dtype=np.uint8)
         self._reg_starts: List[int] = []         # registered memory: sorted start addresses,
         self._reg: Dict[int, tuple] = {}         # start -> (end, serial, path, mmap)
@@ -426,7 +419,8 @@ class ShmTransport(LinkEngine):
             # how fast we read it against a copy of our own: the size from which its
             # collective sends to us should go single-copy (cma.choose_min)
             try:
-                p.cma_pace = cma.pace(pid, addr, _page_aligned(cma.PACE_BYTES), self._probe_buf)
+                p.cma_pace = cma.pace(pid, addr, bytecopy.page_aligned(cma.PACE_BYTES),
+                                      self._probe_buf)
                 p.rx_q[_CMA_FROM] = cma.choose_min(*p.cma_pace)
             except cma.CmaError as e:
                 p.cma_read = f"its probe buffer could not be read whole ({e})"
@@ -529,33 +523,13 @@ class ShmTransport(LinkEngine):
         (nothing sent, nothing received: the caller goes on as after a failed ``send_now``),
         1 (sent; the receive is the caller's to post) or 3 (both done).
 
-        This is a latency-bound call's whole critical path, so the common record (one that fits
-        before the ring's end) is written out here rather than through ``_put``, and ``_take``
-        is tried under the lock only if the peer's head word has moved (else ``_take_within``
-        polls it without the lock). Anything else -- a wrap, a full ring -- goes through
-        ``_put``, which decides exactly as before."""
+        ``_take`` is tried under the lock only if the peer's head word has moved; else
+        ``_take_within`` polls that word without the lock."""
         p = self._peers.get(peer) or self._peer(peer)
-        n = sbuf.nbytes
         lock = self._lock
         lock.acquire()
         try:
-            if p.txq or p.closed is not None or n > EAGER:
-                return 0
-            head = p.tx_head
-            size = p.tx_size
-            pos = head % size
-            need = HDR + ((n + 63) & ~63)
-            if need <= size - pos and need <= size - head + p.tx_tail \
-                    and sbuf.flags.c_contiguous:
-                h = p.tx_data + pos
-                mm = p.tx_mm
-                _HDR.pack_into(mm, h, tag[0], tag[1], tag[2], tag[3], tag[4], n, 0, n)
-                if n:
-                    mm[h + HDR:h + HDR + n] = sbuf
-                head += need
-                p.tx_head = head
-                p.tx_q[_HEAD] = head          # publish the record
-            elif not self._put(p, sbuf, tag):
+            if p.txq or p.closed is not None or sbuf.nbytes > EAGER or not self._put(p, sbuf, tag):
                 return 0
             _fence_acquire()                  # fence(), inline (send_now)
             _fence_release()

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..algorithms import FAMILIES
 from ..schedule import busbw_factor  # noqa: F401  (re-exported: bench and its tests use it)
+from ..transports.bytecopy import page_aligned
 
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "allgather", "gather", "scatter",
                "reduce_scatter", "alltoall", "barrier")
@@ -175,19 +176,15 @@ def expected_result(case: Case, op: str, rank: int, root: int) -> Optional[np.nd
     raise ValueError(coll)
 
 
-PAGE = 4096
-
-
 def page_aligned_empty(count: int, dtype) -> np.ndarray:
-    """``np.empty(count, dtype)`` starting on a page boundary, as OSU's and nccl-tests' buffers
-    do. Heap arrays allocated one after the other often lie 16 bytes apart modulo a page, where
-    the C library's memmove runs several times slower on AMD Zen (transports/bytecopy.py): every
-    library's local copy between the send and receive buffers then depends on allocation luck
-    (MPICH's out-of-place 1 MiB scatter measured 82 us in one run and 370-410 us in others)."""
+    """``count`` elements of ``dtype`` starting on a page boundary, as OSU's and nccl-tests'
+    buffers do (``bytecopy.page_aligned``). Heap arrays allocated one after the other often lie
+    16 bytes apart modulo a page, where the C library's memmove runs several times slower on AMD
+    Zen (transports/bytecopy.py): every library's local copy between the send and receive
+    buffers then depends on allocation luck (MPICH's out-of-place 1 MiB scatter measured 82 us
+    in one run and 370-410 us in others)."""
     dtype = np.dtype(dtype)
-    raw = np.empty(count * dtype.itemsize + PAGE, dtype=np.uint8)
-    k = -raw.__array_interface__["data"][0] % PAGE
-    return raw[k:k + count * dtype.itemsize].view(dtype)
+    return page_aligned(count * dtype.itemsize).view(dtype)
 
 
 class Buffers:
