@@ -54,7 +54,10 @@ def test_hosts_reach_each_other_and_nothing_else(netns_cluster):
 def test_rate_shapes_goodput(netns_cluster):
     c = netns_cluster
     try:
-        for rate, bits in (("1gbit", 1e9), ("200mbit", 200e6)):
+        # Rates well under what the Python probe pushes through an unshaped veth on a busy
+        # 2-core box (CI measured 715 Mbit/s there under a 1 Gbit/s cap): what is checked is
+        # the cap, not the machine's speed.
+        for rate, bits in (("200mbit", 200e6), ("40mbit", 40e6)):
             c.shape(rate)
             got = measure_goodput(c, "h1", "h2", seconds=2.0)
             # TCP payload over 1500-byte frames is 1448/1514 = 95.6% of the line rate
@@ -63,7 +66,7 @@ def test_rate_shapes_goodput(netns_cluster):
         # switch port), so together they get one link's rate, not two.
         with ThreadPoolExecutor(2) as pool:
             both = list(pool.map(lambda src: measure_goodput(c, src, "h2", seconds=2.0), ["h1", "h3"]))
-        assert 0.8 * 200e6 < sum(both) < 1.15 * 200e6, f"two senders into h2: {both}"
+        assert 0.8 * 40e6 < sum(both) < 1.15 * 40e6, f"two senders into h2: {both}"
     finally:
         c.shape(None)
 
