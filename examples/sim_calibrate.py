@@ -96,6 +96,8 @@ def record_run(out, transport, n, rnd, sizes, algos, batches):
     return {"transport": transport, "ranks": n, "round": rnd, "cores": int(cores or 0),
             # the single-copy threshold this run had (shm: probed per pair at world start)
             "single_copy": single_copy_threshold(transport, env),
+            # the small-message path's message limit of this code (minicomm.smallpath)
+            "small_bytes": cost.SMALL_BYTES.get(transport, 0),
             "batches": batches, "batch_time": BATCH_TIME,
             "load_before": load_before, "load_after": os.getloadavg(), "memory": memory,
             "wake": world_start.get("wake", 0.0), "world_start_links": world_start,

@@ -118,10 +118,10 @@ RING_BYTES = {"shm": 4 << 20}
 # 64 MiB tree broadcast, one read, 9.9 ms, about δ(64 MiB)).
 SINGLE_COPY_MIN = {"shm": 256 << 10}
 # The small-message path (minicomm.smallpath) runs a call whose every message is at most this
-# large (the transport's ``small_bytes``: shm's EAGER) without the executor's request objects,
-# a rooted one with its fingerprint exchange; other calls and every call of a world over several
-# transports run through the executor (``LinkModel.exec_overhead``).
-SMALL_BYTES = {"shm": 16 << 10}
+# large (the transport's ``small_bytes``: one shm ring record, a chunk) without the executor's
+# request objects, a rooted one with its fingerprint exchange; other calls and every call of a
+# world over several transports run through the executor (``LinkModel.exec_overhead``).
+SMALL_BYTES = {"shm": 1 << 20}
 STREAM_CHUNK = 64 << 10
 # Work on a core shared by several ranks runs at share / (1 + SHARING_LOSS * (1 - share)): time
 # slicing costs switches and cache refills. Fitted on the 2-core reference box (4 ranks on 2
@@ -154,6 +154,7 @@ class LinkModel:
     call_overhead: float = 0.0   # CPU per call per rank (the communicator's Python), s
     single_copy: int = 0         # intra-node single-copy reads from this many bytes (0: none)
     exec_overhead: float = 0.0   # extra CPU per intra message op of an executor-run call, s
+    small_bytes: int = -1        # the small path's message limit (-1: SMALL_BYTES[intra])
     background: float = 0.0      # other runnable threads per rank of a node (a loaded machine)
     # (collective, world, topology, intra, inter) -> ((bytes, family), ...) sorted by bytes
     table: Dict[TableKey, Tuple[Tuple[int, str], ...]] = field(default_factory=dict, hash=False)
@@ -333,7 +334,7 @@ def runs_executor(collective: str, prog, topology: Sequence[int], m: LinkModel,
     small-message path (``SMALL_BYTES``): a world on several nodes (several transports), a
     transport without the path, or a message above its limit (a rooted call's fingerprints
     travel on either path)."""
-    limit = SMALL_BYTES.get(m.intra, 0)
+    limit = SMALL_BYTES.get(m.intra, 0) if m.small_bytes < 0 else m.small_bytes
     if not limit or len(set(topology)) > 1:
         return True
     return bool(prog.messages) and float(prog.msg_count.max()) * itemsize > limit

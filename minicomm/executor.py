@@ -58,6 +58,15 @@ def _copy_pieces(d: np.ndarray, s: np.ndarray) -> None:
         copy(d[lo:lo + k], s[lo:lo + k])
 
 
+def local_copy(d: np.ndarray, s: np.ndarray) -> None:
+    """A schedule's local Copy, as every interpreter of it makes one (this executor and the small
+    path): through bytecopy.copy, in pieces when large (above)."""
+    if d.nbytes < _COPY_PIECE << 2:
+        copy(d, s)
+    else:
+        _copy_pieces(d, s)
+
+
 class Plan:
     """A schedule compiled for one communicator: peers already translated to world ranks.
 
@@ -404,10 +413,8 @@ def _run_local(local, bufs, kernel) -> None:
             d, s = bufs[db][do:do + n], bufs[sb][so:so + n]
         if kind != _LOCAL_COPY:
             kernel(d, s)
-        elif d.nbytes < _COPY_PIECE << 2:
-            copy(d, s)
         else:
-            _copy_pieces(d, s)
+            local_copy(d, s)
 
 
 def _local_bytes(local, bufs) -> int:

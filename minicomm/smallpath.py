@@ -1,11 +1,14 @@
 """The small-message path: latency-bound calls run a schedule compiled to a flat list of ops.
 
 A call whose every message is small (at most the transport's ``small_bytes``, the size its
-``send_now`` / ``recv_now`` move on the spot) is latency-bound: the time goes into interpreting
-the schedule and into request objects and matching queues, not into moving bytes. For those
-calls the schedule is compiled once per (collective, algorithm, world size, rank, count, dtype,
-op, root) into a ``SmallPlan``: per step, the step index, the local ops, the sends and the
-receives as plain tuples with world ranks and buffer indices resolved. ``run_small`` walks that
+``send_now`` / ``recv_now`` move on the spot: for shm one ring record, up to a 1 MiB chunk) is
+latency-bound or close to it: interpreting the schedule, request objects and matching queues cost
+the same at any size, and below a chunk they are what separates a call from its copies (1 MiB
+calls at n=2 and n=4 took 20-55% less time here when this limit was raised from 16 KiB to the
+chunk; the README's speed notes have the numbers). For those calls the schedule is compiled
+once per (collective, algorithm, world size, rank, count, dtype, op, root) into a ``SmallPlan``:
+per step, the step index, the local ops, the sends and the receives as plain tuples with world
+ranks and buffer indices resolved. ``run_small`` walks that
 list and hands each message straight to the transport: ``send_now(peer, view, tag)`` writes it
 into the peer's ring (False: no room now, it is posted with ``isend`` instead);
 ``recv_now(peer, view, tag, reduce, spin)`` takes (or reduces) the next record of the peer's ring
@@ -40,20 +43,26 @@ on either path interoperate; the fingerprints are outside the schedule in both.
 
 Restrictions: only schedules whose steps receive from distinct peers (a peer's messages arrive in
 FIFO order, so two receives of one step from one peer would need an ordering this path does not
-track) and whose messages all fit ``small_bytes``; everything else runs through the executor.
+track), whose messages all fit ``small_bytes`` and whose local ops stay under the size the
+executor may hand to a helper thread (``executor.BACKGROUND_MIN_BYTES``); everything else runs
+through the executor. Local copies are the executor's (``executor.local_copy``: bytecopy's
+skew-safe copy, in pieces when large) wherever they can reach bytecopy's slow case.
 Cost: per message one header write or read and one copy or reduce of the payload.
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
 
+from .executor import BACKGROUND_MIN_BYTES, local_copy
 from .schedule import IN, OUT, TMP, Copy, Recv, Reduce, Schedule, Send
 from .transports.base import Tag
+from .transports.bytecopy import TRAP_MIN
 from .verifier import VerificationError, verify
 
 _BUFS = (IN, OUT, TMP)
 _INDEX = {IN: 0, OUT: 1, TMP: 2}
 _new_tag = tuple.__new__
+_MAX_ITEMSIZE = 32            # np.clongdouble's: a local op of n elements has at most 32n bytes
 # The longest a receive waits on the spot for its message before it is posted and the transport's
 # wait (which spins briefly, then sleeps) takes over: a peer that is running answers well within.
 SMALL_SPIN_S = 40e-6
@@ -101,11 +110,14 @@ class Guard:
 def eligible(schedule: Schedule, itemsize: int, small_bytes: int) -> bool:
     """True if ``schedule`` may run on the small-message path (module doc: restrictions)."""
     limit = small_bytes // max(itemsize, 1)
+    local_limit = BACKGROUND_MIN_BYTES // max(itemsize, 1)
     for st in schedule.steps:
         peers = set()
         for o in st:
             if isinstance(o, (Send, Recv)) and o.count > limit:
                 return False
+            if isinstance(o, (Copy, Reduce)) and o.count >= local_limit:
+                return False          # the executor may run it on a helper thread
             if isinstance(o, Recv):
                 if o.peer in peers:
                     return False
@@ -228,7 +240,7 @@ def run_small(plan: SmallPlan, transport, bufs, kernel, tag: Tag, deadline: floa
             if red:
                 kernel(d, src)
             else:
-                d[...] = src
+                local_copy(d, src)
         if not (sends or recvs):
             continue
         t = _new_tag(Tag, (comm, seq, i, call, count))
@@ -324,7 +336,12 @@ def straight_line(plan: SmallPlan, exchange: bool = False, guarded: bool = False
         for red, sb, so, db, do, n, whole in local:
             d = names[db] if whole else f"{names[db]}[{do}:{do + n}]"
             s = names[sb] if whole else f"{names[sb]}[{so}:{so + n}]"
-            lines.append(f"    kernel({d}, {s})" if red else f"    {d}[...] = {s}")
+            if red:
+                lines.append(f"    kernel({d}, {s})")
+            elif n * _MAX_ITEMSIZE < TRAP_MIN:       # too small for bytecopy's slow case
+                lines.append(f"    {d}[...] = {s}")
+            else:
+                lines.append(f"    local_copy({d}, {s})")
         if not (sends or recvs):
             continue
         first = plan.first_from[j] if guarded else ()
@@ -387,7 +404,7 @@ def straight_line(plan: SmallPlan, exchange: bool = False, guarded: bool = False
     lines[2] = (f"    {', '.join(used)} = {', '.join('transport.' + m for m in used)}"
                 if used else "    pass")
     scope = {"Tag": Tag, "_new_tag": _new_tag, "_take_fingerprints": _take_fingerprints,
-             "_GROUP": group}
+             "_GROUP": group, "local_copy": local_copy}
     exec(compile("\n".join(lines) + "\n", f"<smallpath {plan.schedule.summary()}>", "exec"),
          scope)
     return scope["run"]

@@ -252,6 +252,57 @@ def test_rooted_small_calls_take_the_small_path_with_their_fingerprints(p):
         assert ran == []                          # every call (and its guard) ran on the path
 
 
+def _medium_on_small_path(comm):
+    """Calls whose messages lie above shm's EAGER and within a chunk: on the small path now (one
+    ring record per message), each result numpy's; float64 blocks of 40,000 (312 KiB)."""
+    import minicomm.communicator as cm
+    from minicomm.transports import shm
+    ran = []
+    real = cm.run_plan
+
+    def counting(*a, **k):
+        ran.append(a[0].schedule.collective)
+        return real(*a, **k)
+    cm.run_plan = counting
+    p, r, n = comm.size, comm.rank, 40_000
+    bad = []
+    try:
+        for algo in ("ring", "tree", "rhd"):
+            x = (np.arange(n) % 11 + 1.0) * (r + 1)
+            every = [(np.arange(n) % 11 + 1.0) * (q + 1) for q in range(p)]
+            blocks = np.stack([np.arange(n) % 7 + 100.0 * q + r for q in range(p)])
+            mine = [np.arange(n) % 7 + 100.0 * r + q for q in range(p)]
+            root = p - 1
+            got = {
+                "allreduce": (comm.allreduce(x, algorithm=algo), sum(every)),
+                "broadcast": (comm.broadcast(x, root=root, algorithm=algo), every[root]),
+                "reduce": (comm.reduce(x, root=0, algorithm=algo), sum(every) if r == 0 else None),
+                "allgather": (comm.allgather(x, algorithm=algo), np.stack(every)),
+                "gather": (comm.gather(x, root=root, algorithm=algo),
+                           np.stack(every) if r == root else None),
+                "reduce_scatter": (comm.reduce_scatter(blocks, algorithm=algo), sum(mine)),
+                "alltoall": (comm.alltoall(blocks, algorithm=algo), np.stack(mine)),
+                "scatter": (comm.scatter(blocks if r == 0 else None, root=0, algorithm=algo),
+                            np.arange(n) % 7 + 100.0 * r),
+            }
+            for name, (have, want) in got.items():
+                ok = have is None if want is None else np.array_equal(have, want)
+                if not ok:
+                    bad.append((algo, name))
+    finally:
+        cm.run_plan = real
+    return bad, ran, comm.transport.small_bytes == shm.CHUNK
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_calls_with_messages_up_to_a_chunk_take_the_small_path(p):
+    for bad, ran, chunk in mc.spawn(_medium_on_small_path, world_size=p, transport="shm",
+                                    timeout=180):
+        assert bad == []
+        assert ran == []                          # no call went through the executor
+        assert chunk
+
+
 def _root_and_shape_mismatches(comm, case):
     x = np.ones(8, np.float32)
     try:

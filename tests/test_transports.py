@@ -23,7 +23,7 @@ import pytest
 
 from minicomm.errors import CommTimeout, MismatchError, PeerFailure, pack_call
 from minicomm.rendezvous import AuthError, StoreClient, StoreServer, new_token
-from minicomm.transports import connect
+from minicomm.transports import connect, shm
 from minicomm.transports.base import Tag
 from minicomm.transports.shm import segment_path, sweep_job_segments
 
@@ -31,6 +31,7 @@ CTX = mp.get_context("spawn")
 SETUP = 30.0                          # setup / wait deadline inside the ranks
 SIZES = (0, 1, 1001, 5 << 20)         # bytes: empty, one, odd, several chunks
 ALLREDUCE = pack_call("allreduce", "sum", "ring", np.float64, -1)
+EAGER_PLUS = 128 << 10                # above shm's EAGER and REGISTERED_MIN, below a chunk
 
 
 def ADD(dst, src):
@@ -269,6 +270,45 @@ def sc_small_steps(t, rank, size, store):
     return (time.perf_counter() - t0) / 1000
 
 
+def sc_one_record_sends(t, rank, size, store):
+    """shm's send_now up to a chunk (the small path's upper sizes): whole records while the ring
+    has room, then False -- and False for every later message while one is queued (FIFO) --
+    and False for what isend sends otherwise (above a chunk: streamed; registered memory: a
+    descriptor). The receiver gets every message, in order, by recv_now or irecv."""
+    chunk, dl, k = t.small_bytes, time.monotonic() + SETUP, 8
+    call = pack_call("broadcast", "none", "tree", np.uint8, 0)
+    msgs = [np.full(chunk, i + 1, dtype=np.uint8) for i in range(k)]
+    if rank == 0:
+        went = 0
+        while went < k and t.send_now(1, msgs[went], Tag(1, went, 0, call, chunk)):
+            went += 1
+        reqs = [t.isend(1, msgs[i], Tag(1, i, 0, call, chunk)) for i in range(went, k)]
+        refused = [t.send_now(1, msgs[0], Tag(1, k, 0, call, chunk))]        # one is queued
+        store.set("filled", b"1")
+        t.wait_all(reqs, dl, "fill")
+        t.wait_all([t.isend(1, msgs[0], Tag(1, k, 0, call, chunk))], dl, "last")
+        big = np.zeros(chunk + 8, dtype=np.uint8)
+        reg = t.register_memory(EAGER_PLUS)
+        refused += [t.send_now(1, big, Tag(1, k + 1, 0, call, big.size)),
+                    t.send_now(1, reg, Tag(1, k + 2, 0, call, reg.size))]
+        t.wait_all([t.isend(1, big, Tag(1, k + 1, 0, call, big.size)),
+                    t.isend(1, reg, Tag(1, k + 2, 0, call, reg.size))], dl, "others")
+        return {"went": went, "refused": refused, "chunk": chunk}
+    store.get("filled")
+    got, taken = [], 0
+    for i in range(k + 1):
+        buf = np.empty(chunk, dtype=np.uint8)
+        if t.recv_now(0, buf, Tag(1, i, 0, call, chunk), None, 0.01):
+            taken += 1
+        else:
+            t.wait_all([t.irecv(0, buf, Tag(1, i, 0, call, chunk))], dl, "recv")
+        got.append(int(buf[0]) if (buf == buf[0]).all() else -1)
+    rest = [np.empty(chunk + 8, dtype=np.uint8), np.empty(EAGER_PLUS, dtype=np.uint8)]
+    t.wait_all([t.irecv(0, rest[0], Tag(1, k + 1, 0, call, chunk + 8)),
+                t.irecv(0, rest[1], Tag(1, k + 2, 0, call, EAGER_PLUS))], dl, "others")
+    return {"got": got, "taken": taken}
+
+
 def sc_hold(t, rank, size, store):
     store.get("release")
 
@@ -336,6 +376,18 @@ def test_full_duplex_ring_64mib(kind, no_leftovers):
     no_leftovers(job)
     rates = job.run().values()
     print(f"\n{kind}: 64 MiB ring with reduce, per-rank GB/s: {[round(r, 2) for r in rates]}")
+
+
+def test_send_now_moves_a_chunk_as_one_record_and_leaves_the_rest_to_isend(no_leftovers):
+    job = Job("sc_one_record_sends", 2, "shm")
+    no_leftovers(job)
+    sender, receiver = job.run().values()
+    assert sender["chunk"] == shm.CHUNK
+    # the 4 MiB ring takes a few whole 1 MiB records, then no more until the receiver drains
+    assert 1 <= sender["went"] < 8, sender
+    assert sender["refused"] == [False, False, False], sender
+    assert receiver["got"] == [1, 2, 3, 4, 5, 6, 7, 8, 1], receiver       # all, in order
+    assert receiver["taken"] >= sender["went"], (sender, receiver)
 
 
 def test_more_ranks_than_cores_keep_full_speed(no_leftovers):

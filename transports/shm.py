@@ -13,6 +13,11 @@ by record, so the sender's copy-in of chunk k+1 overlaps the receiver's reduce-o
 and messages larger than the ring simply flow through it. Chunks other than a message's last are
 multiples of 4096 bytes, so they always end on an element boundary.
 
+The small-message path (minicomm.smallpath) hands messages of up to a chunk (``small_bytes``)
+straight to ``send_now`` / ``recv_now``: one record, written if the ring has room for it whole,
+taken if it is the ring's next record; anything else (no room, a send queued before it, a message
+isend would stream or send as a descriptor) goes through ``isend`` / ``irecv`` as usual.
+
 Ordering. ``head``/``tail`` are stored through a ``memoryview`` cast to int64: one aligned
 8-byte store, made after the record is written (``struct.pack_into`` would not do: it zeroes the
 field before writing it, and a reader can see the zero). On x86-64 (TSO) that store publishes
@@ -311,6 +316,7 @@ class ShmTransport(LinkEngine):
         ring = _default_ring_bytes(len(peers))
         chunk = min(byte_setting("MINICOMM_SHM_CHUNK", CHUNK, minimum=PAGE, multiple=PAGE),
                     ring // 4 // PAGE * PAGE)
+        self.small_bytes = max(EAGER, chunk)     # the small path's messages: one record each
         head_bytes = -(-(_RANKS_AT + 8 * len(peers)) // PAGE) * PAGE
         total = head_bytes + len(peers) * (PAGE + ring)
         path = segment_path(self.job_id, me)
@@ -477,7 +483,20 @@ class ShmTransport(LinkEngine):
         return req
 
     # ------------------------------------------------------- the small-message path's calls
-    small_bytes = EAGER               # what send_now / recv_now move (minicomm.smallpath)
+    # What send_now / recv_now may move as one record (minicomm.smallpath): one chunk, set by
+    # _setup (EAGER until then). Above EAGER, send_now leaves to isend what isend would not put
+    # in the ring as one record (``_not_one_record``), and recv_now what did not arrive as one.
+    small_bytes = EAGER
+
+    def _not_one_record(self, p: _Peer, buf: np.ndarray, tag: Tag) -> bool:
+        """Whether a message above EAGER is one that isend sends otherwise than as one ring
+        record: above the receiver's chunk (streamed), or as a descriptor the receiver reads
+        from our memory (single copy, registered memory). send_now leaves those to isend."""
+        n = buf.nbytes
+        return (n > p.tx_chunk
+                or (p.cma and n >= p.cma_min and self._single_copy(tag[3], n))
+                or (self._reg_starts and n >= REGISTERED_MIN
+                    and self._registered(buf) is not None))
 
     def send_now(self, peer: int, buf: np.ndarray, tag: Tag) -> bool:
         """Write a small message into ``peer``'s ring now, with no request object; False (nothing
@@ -487,7 +506,8 @@ class ShmTransport(LinkEngine):
         lock = self._lock
         lock.acquire()
         try:
-            if p.txq or p.closed is not None or buf.nbytes > EAGER or not self._put(p, buf, tag):
+            if p.txq or p.closed is not None or (buf.nbytes > EAGER and self._not_one_record(
+                    p, buf, tag)) or not self._put(p, buf, tag):
                 return False
             _fence_acquire()          # fence(), inline: this runs once per small message
             _fence_release()
@@ -529,7 +549,8 @@ class ShmTransport(LinkEngine):
         lock = self._lock
         lock.acquire()
         try:
-            if p.txq or p.closed is not None or sbuf.nbytes > EAGER or not self._put(p, sbuf, tag):
+            if p.txq or p.closed is not None or (sbuf.nbytes > EAGER and self._not_one_record(
+                    p, sbuf, tag)) or not self._put(p, sbuf, tag):
                 return 0
             _fence_acquire()                  # fence(), inline (send_now)
             _fence_release()
@@ -622,7 +643,10 @@ class ShmTransport(LinkEngine):
                 ring = p.rx_typed[dt] = np.frombuffer(p.rx_mm, dtype=dt)
             i = (h + HDR) // dt.itemsize
             if reduce is None:
-                flat[...] = ring[i:i + flat.shape[0]]
+                if n > EAGER:         # a record of the small path's upper sizes (small_bytes)
+                    bytecopy.copy(flat, ring[i:i + flat.shape[0]])
+                else:
+                    flat[...] = ring[i:i + flat.shape[0]]
             else:
                 reduce(flat, ring[i:i + flat.shape[0]])
         tail += HDR + ((n + 63) & ~63)

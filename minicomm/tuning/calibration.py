@@ -56,8 +56,20 @@ def recorded_single_copy(run: Dict[str, Any]) -> int:
     return int(run.get("single_copy", UNRECORDED_SINGLE_COPY.get(kind, 0)))
 
 
+# The small path's message limit runs recorded before they carried one ran with (shm's EAGER,
+# 16 KiB, until the path took messages up to a ring chunk).
+UNRECORDED_SMALL_BYTES = {"shm": 16 << 10}
+
+
+def recorded_small_bytes(run: Dict[str, Any]) -> int:
+    """The small-message path's limit a recorded run ran with (0: no such path)."""
+    kind = run["transport"]
+    return int(run.get("small_bytes", UNRECORDED_SMALL_BYTES.get(kind, 0)))
+
+
 def _link_model(kind: str, th: Dict[str, float], wake: float, cores: int,
-                memory: Sequence[Sequence[float]], single_copy: int) -> cost.LinkModel:
+                memory: Sequence[Sequence[float]], single_copy: int,
+                small_bytes: int = -1) -> cost.LinkModel:
     o, a, beta = th["overhead"], 3 * th["overhead"] + th["latency"], th["beta"]
     # the memory's two-copier contention is not used: under other jobs' load that probe mostly
     # measures them, which the fitted background already holds (it would count twice)
@@ -70,13 +82,14 @@ def _link_model(kind: str, th: Dict[str, float], wake: float, cores: int,
                           exec_overhead=th.get("exec_overhead", 0.0),
                           # shm reads a non-reducing call's messages of at least this many
                           # bytes single-copy (cma.py): the value the run was recorded with
-                          single_copy=single_copy)
+                          single_copy=single_copy, small_bytes=small_bytes)
 
 
 def run_model(run: Dict[str, Any]) -> cost.LinkModel:
     """The LinkModel of one recorded run: its fitted link, memory table, wake and cores."""
     return _link_model(run["transport"], run["links"], run.get("wake", 0.0),
-                       int(run.get("cores", 0)), run.get("memory", ()), recorded_single_copy(run))
+                       int(run.get("cores", 0)), run.get("memory", ()), recorded_single_copy(run),
+                       recorded_small_bytes(run))
 
 
 def row_calls(row: Dict[str, Any]) -> int:
@@ -96,7 +109,8 @@ def predict_row(row: Dict[str, Any], m: cost.LinkModel) -> float:
 
 def fit_links(probe_rows: Sequence[Dict[str, Any]], kind: str, memory: Sequence[Sequence[float]],
               wake: float, cores: int, start: Optional[Dict[str, float]] = None,
-              fit: Sequence[str] = FITTED, single_copy: int = 0) -> Dict[str, float]:
+              fit: Sequence[str] = FITTED, single_copy: int = 0,
+              small_bytes: int = -1) -> Dict[str, float]:
     """The host machine's per-message CPU cost o, latency, per-call CPU cost, background load
     (other runnable threads sharing the cores) and β (s/byte; not in ``fit`` for shm, whose β
     is its two copies by the model) of one link, by least squares on the relative residuals pred/meas - 1
@@ -110,7 +124,7 @@ def fit_links(probe_rows: Sequence[Dict[str, Any]], kind: str, memory: Sequence[
     meas = np.array([measured(r) for r in rows])
 
     def preds(t: Dict[str, float]) -> np.ndarray:
-        m = _link_model(kind, t, wake, cores, memory, single_copy)
+        m = _link_model(kind, t, wake, cores, memory, single_copy, small_bytes)
         return np.array([predict_row(r, m) for r in rows])
     def cost_of(t: Dict[str, float]) -> Tuple[float, np.ndarray]:
         p = preds(t)
@@ -186,11 +200,12 @@ def merge_rounds(raw: Dict[str, Any], fit: bool = True) -> List[Dict[str, Any]]:
                                  _merged_memory(runs),
                                  statistics.median(run.get("wake", 0.0) for run in runs),
                                  int(runs[0].get("cores", 0)), {"beta": ws["beta"]}, names,
-                                 recorded_single_copy(runs[0]))
+                                 recorded_single_copy(runs[0]), recorded_small_bytes(runs[0]))
     out = []
     for (t, n), runs in sorted(cells.items()):
         cell = {"transport": t, "ranks": n, "cores": int(runs[0].get("cores", 0)),
                 "single_copy": recorded_single_copy(runs[0]),
+                "small_bytes": recorded_small_bytes(runs[0]),
                 "memory": _merged_memory(runs),
                 "wake": statistics.median(run.get("wake", 0.0) for run in runs),
                 "probe": _merged_rows([run["probe"] for run in runs]),
