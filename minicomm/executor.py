@@ -125,6 +125,12 @@ class Plan:
         return ok
 
 
+def writes_region(local, b: int, lo: int, hi: int) -> bool:
+    """Whether a local op of ``local`` ((kind, src buffer, src offset, dst buffer, dst offset,
+    count, whole) tuples) writes into elements [lo, hi) of buffer ``b``."""
+    return any(db == b and do < hi and lo < do + n and n > 0 for _, _, _, db, do, n, _ in local)
+
+
 def _early_sends(sends: list, local: list):
     """Split a step's sends into those posted before its local ops and the rest. A send goes
     first when no local op of the step writes the region it reads, and no other send to its peer
@@ -133,10 +139,7 @@ def _early_sends(sends: list, local: list):
     (scatter, alltoall) no longer delays the messages to its peers. Under an in-place call the
     names are enough: ``alias_safe`` already refuses plans where a send from ``in`` reads what a
     local op of its step writes. Returns (early, late) as tuples, each in posting order."""
-    def written(b: int, lo: int, hi: int) -> bool:
-        return any(db == b and do < hi and lo < do + n and n > 0
-                   for _, _, _, db, do, n, _ in local)
-    late_peers = {s[1] for s in sends if written(s[2], s[3], s[4])}
+    late_peers = {s[1] for s in sends if writes_region(local, s[2], s[3], s[4])}
     early = tuple(s for s in sends if s[1] not in late_peers)
     return early, tuple(s for s in sends if s[1] in late_peers)
 

@@ -29,7 +29,9 @@ schedule's steps (taken in that execution order) op for op; ``compile_small`` ru
 plan it builds, and ``verify_compiled`` runs the symbolic verifier on the decompiled forms of all
 ranks. Execution order within a step is the executor's (local ops, receives, sends, complete);
 sends go out before the receives are *waited* for, which is what eager rings allow and what the
-verifier's rendezvous semantics already prove deadlock-free.
+verifier's rendezvous semantics already prove deadlock-free. As in the executor, a step whose
+local ops are large issues first the sends that no local op writes into (``early_sends``): the
+same bytes, moving while a root copies its own block.
 
 Guarded calls. A rooted call exchanges call fingerprints (``Communicator._post_fingerprints``:
 every rank sends its 24-byte fingerprint to every other before any data, and learns of a
@@ -53,7 +55,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
 
-from .executor import BACKGROUND_MIN_BYTES, local_copy
+from .executor import BACKGROUND_MIN_BYTES, local_copy, writes_region
 from .schedule import IN, OUT, TMP, Copy, Recv, Reduce, Schedule, Send
 from .transports.base import Tag
 from .transports.bytecopy import TRAP_MIN
@@ -204,6 +206,19 @@ def check_compiled(plan: SmallPlan, schedule: Schedule) -> None:
                                     f"the schedule's is {list(want)}")
 
 
+def early_sends(local, sends) -> Tuple[tuple, tuple]:
+    """A step's sends split as (issued before its local ops, the rest), as the executor splits
+    them (``executor._early_sends``: a send no local op of the step writes into, to a peer no
+    such send goes to, carries the same bytes either way and moves while the ops run), but only
+    where the local ops are large enough to matter (a root's copy of its own block beside its
+    messages); a latency-bound step keeps its order: local ops, then sends."""
+    if not sends or all(n * _MAX_ITEMSIZE < TRAP_MIN for _, _, _, _, _, n, _ in local):
+        return (), tuple(sends)
+    late_peers = {peer for peer, b, lo, hi, _ in sends if writes_region(local, b, lo, hi)}
+    return (tuple(sd for sd in sends if sd[0] not in late_peers),
+            tuple(sd for sd in sends if sd[0] in late_peers))
+
+
 def verify_compiled(plans: Sequence[SmallPlan], *, topology=None):
     """Symbolic verification (``minicomm.verifier.verify``) of what the compiled plans of all
     ranks of one call run, plus ``check_compiled`` of each against its own schedule."""
@@ -232,6 +247,15 @@ def run_small(plan: SmallPlan, transport, bufs, kernel, tag: Tag, deadline: floa
                 late.append(transport.isend(group[r], guard.mine, guard.tag))
         first = plan.first_from
     for i, local, sends, recvs in plan.steps:
+        t = _new_tag(Tag, (comm, seq, i, call, count))
+        reqs = None
+        early, sends = early_sends(local, sends)
+        for peer, b, lo, hi, whole in early:
+            v = bufs[b] if whole else bufs[b][lo:hi]
+            if not send_now(peer, v, t):
+                if reqs is None:
+                    reqs = []
+                reqs.append(transport.isend(peer, v, t))
         for red, sb, so, db, do, n, whole in local:
             if whole:
                 d, src = bufs[db], bufs[sb]
@@ -241,10 +265,8 @@ def run_small(plan: SmallPlan, transport, bufs, kernel, tag: Tag, deadline: floa
                 kernel(d, src)
             else:
                 local_copy(d, src)
-        if not (sends or recvs):
+        if not (early or sends or recvs):
             continue
-        t = _new_tag(Tag, (comm, seq, i, call, count))
-        reqs = None
         for peer, b, lo, hi, whole in sends:
             v = bufs[b] if whole else bufs[b][lo:hi]
             if not send_now(peer, v, t):
@@ -332,7 +354,20 @@ def straight_line(plan: SmallPlan, exchange: bool = False, guarded: bool = False
 
     def region(b: int, lo: int, hi: int, whole: bool) -> str:
         return names[b] if whole else f"{names[b]}[{lo}:{hi}]"
+    def send(peer: int, b: int, lo: int, hi: int, whole: bool) -> list:
+        used.add("send_now")
+        return [f"    v = {region(b, lo, hi, whole)}",
+                f"    if not send_now({peer}, v, tag):",
+                "        if reqs is None:",
+                "            reqs = []",
+                f"        reqs.append(transport.isend({peer}, v, tag))"]
     for j, (k, local, sends, recvs) in enumerate(plan.steps):
+        early, sends = early_sends(local, sends)
+        if early:
+            lines += [f"    tag = _new_tag(Tag, (comm, seq, {k}, call, count))",
+                      "    reqs = None"]
+            for sd in early:
+                lines += send(*sd)
         for red, sb, so, db, do, n, whole in local:
             d = names[db] if whole else f"{names[db]}[{do}:{do + n}]"
             s = names[sb] if whole else f"{names[sb]}[{so}:{so + n}]"
@@ -342,11 +377,12 @@ def straight_line(plan: SmallPlan, exchange: bool = False, guarded: bool = False
                 lines.append(f"    {d}[...] = {s}")
             else:
                 lines.append(f"    local_copy({d}, {s})")
-        if not (sends or recvs):
+        if not (early or sends or recvs):
             continue
         first = plan.first_from[j] if guarded else ()
-        lines.append(f"    tag = _new_tag(Tag, (comm, seq, {k}, call, count))")
-        if exchange and len(sends) == 1 and len(recvs) == 1 and sends[0][0] == recvs[0][0] \
+        if not early:
+            lines.append(f"    tag = _new_tag(Tag, (comm, seq, {k}, call, count))")
+        if exchange and not early and len(sends) == 1 and len(recvs) == 1 and sends[0][0] == recvs[0][0] \
                 and not first:
             peer, b, lo, hi, whole = sends[0]
             _, rb, rlo, rhi, red, rwhole = recvs[0]
@@ -363,14 +399,10 @@ def straight_line(plan: SmallPlan, exchange: bool = False, guarded: bool = False
                       f"            reqs = [transport.irecv({peer}, {rv}, tag, {k_})]",
                       "        transport.wait_all(reqs, deadline, what)"]
             continue
-        lines.append("    reqs = None")
-        for peer, b, lo, hi, whole in sends:
-            used.add("send_now")
-            lines += [f"    v = {region(b, lo, hi, whole)}",
-                      f"    if not send_now({peer}, v, tag):",
-                      "        if reqs is None:",
-                      "            reqs = []",
-                      f"        reqs.append(transport.isend({peer}, v, tag))"]
+        if not early:
+            lines.append("    reqs = None")
+        for sd in sends:
+            lines += send(*sd)
         if first:
             lines += fingerprints(first)
         if len(recvs) == 1:

@@ -328,6 +328,22 @@ def test_guarded_small_calls_name_a_mismatch_on_every_rank(case):
         assert any("different shapes" in text for _, text in res), res
 
 
+def test_large_local_ops_let_the_sends_they_do_not_touch_go_first():
+    from minicomm.smallpath import early_sends
+    copy_out = ((False, 0, 0, 1, 0, 5000, False),)          # in[0:5000] -> out[0:5000]
+    to_3, to_4 = (3, 1, 0, 5000, False), (4, 0, 0, 10, False)   # out[0:5000], in[0:10]
+    assert early_sends(copy_out, (to_3, to_4)) == ((to_4,), (to_3,))
+    # a send to a peer that also gets a late one stays behind it (per-peer order)
+    assert early_sends(copy_out, (to_3, (3, 0, 0, 10, False))) == ((), (to_3, (3, 0, 0, 10, False)))
+    # a latency-bound step keeps its order
+    small = ((False, 0, 0, 1, 0, 6, False),)
+    assert early_sends(small, (to_4,)) == ((), (to_4,))
+    # a scatter root's copy of its own block no longer holds its message back
+    s = build_schedule("scatter", "tree", 0, 2, 4096, 0)
+    (_, local, sends, _), = [st for st in compile_small(s, range(2)).steps if st[1] and st[2]]
+    assert early_sends(local, sends) == (sends, ())
+
+
 class _Recorder:
     """A transport that records every call the small path makes; ``send_now`` / ``recv_now``
     succeed or not by a fixed pattern, so both forms meet the same fallbacks."""
@@ -389,7 +405,7 @@ def test_straight_line_form_makes_the_same_calls_as_run_small(coll, algo):
         d += s
     for p in (2, 3, 4, 5):
         topo = tuple(r * 2 // p for r in range(p)) if algo == "hier" else None
-        for count in (0, 1, 6):
+        for count in (0, 1, 6, 4096):             # 4096: local ops large enough for early sends
             for s in build_all(coll, algo, p, count, p - 1, topo):
                 sp = compile_small(s, range(10, 10 + p))
                 for pattern in ((True,), (False,), (True, False, False)):
@@ -423,7 +439,7 @@ def test_guarded_straight_line_form_makes_the_same_calls_as_run_small(coll, algo
         d += s
     for p in (2, 3, 4, 5):
         topo = tuple(r * 2 // p for r in range(p)) if algo == "hier" else None
-        for count in (1, 6):
+        for count in (1, 6, 4096):
             for s in build_all(coll, algo, p, count, 1 % p, topo):
                 sp = compile_small(s, range(10, 10 + p))
                 for pattern in ((True,), (False,), (True, False, False)):
