@@ -246,16 +246,18 @@ def run_small(plan: SmallPlan, transport, bufs, kernel, tag: Tag, deadline: floa
                     late = []
                 late.append(transport.isend(group[r], guard.mine, guard.tag))
         first = plan.first_from
-    for i, local, sends, recvs in plan.steps:
-        t = _new_tag(Tag, (comm, seq, i, call, count))
-        reqs = None
-        early, sends = early_sends(local, sends)
-        for peer, b, lo, hi, whole in early:
+    def send_all(ops, t: Tag, reqs: Optional[list]) -> Optional[list]:
+        for peer, b, lo, hi, whole in ops:
             v = bufs[b] if whole else bufs[b][lo:hi]
             if not send_now(peer, v, t):
                 if reqs is None:
                     reqs = []
                 reqs.append(transport.isend(peer, v, t))
+        return reqs
+    for i, local, sends, recvs in plan.steps:
+        t = _new_tag(Tag, (comm, seq, i, call, count))
+        early, sends = early_sends(local, sends)
+        reqs = send_all(early, t, None)
         for red, sb, so, db, do, n, whole in local:
             if whole:
                 d, src = bufs[db], bufs[sb]
@@ -267,12 +269,7 @@ def run_small(plan: SmallPlan, transport, bufs, kernel, tag: Tag, deadline: floa
                 local_copy(d, src)
         if not (early or sends or recvs):
             continue
-        for peer, b, lo, hi, whole in sends:
-            v = bufs[b] if whole else bufs[b][lo:hi]
-            if not send_now(peer, v, t):
-                if reqs is None:
-                    reqs = []
-                reqs.append(transport.isend(peer, v, t))
+        reqs = send_all(sends, t, reqs)
         if guard is not None and first[i]:
             _take_fingerprints(guard, first[i], group, transport, deadline, what, spin)
         if len(recvs) == 1:

@@ -215,8 +215,9 @@ def test_small_path_detects_a_count_mismatch():
     assert "none" not in res and "MismatchError" in res, res
 
 
-def _rooted_on_small_path(comm):
-    """Rooted small calls run on the small path with their fingerprints (no executor run)."""
+def _count_executor_runs():
+    """Make the communicator record each call it hands to the executor (``run_plan``); returns
+    the list it fills and the function that undoes it."""
     import minicomm.communicator as cm
     ran = []
     real = cm.run_plan
@@ -225,6 +226,15 @@ def _rooted_on_small_path(comm):
         ran.append(a[0].schedule.collective)
         return real(*a, **k)
     cm.run_plan = counting
+
+    def undo():
+        cm.run_plan = real
+    return ran, undo
+
+
+def _rooted_on_small_path(comm):
+    """Rooted small calls run on the small path with their fingerprints (no executor run)."""
+    ran, undo = _count_executor_runs()
     p, r = comm.size, comm.rank
     got = []
     for algo in ("ring", "tree", "rhd"):
@@ -241,7 +251,7 @@ def _rooted_on_small_path(comm):
             blocks = np.arange(p * 3, dtype=np.int32).reshape(p, 3) * (root + 1)
             got.append(np.array_equal(comm.scatter(blocks if r == root else None, root=root,
                                                    algorithm=algo), blocks[r]))
-    cm.run_plan = real
+    undo()
     return all(got), ran
 
 
@@ -255,15 +265,8 @@ def test_rooted_small_calls_take_the_small_path_with_their_fingerprints(p):
 def _medium_on_small_path(comm):
     """Calls whose messages lie above shm's EAGER and within a chunk: on the small path now (one
     ring record per message), each result numpy's; float64 blocks of 40,000 (312 KiB)."""
-    import minicomm.communicator as cm
     from minicomm.transports import shm
-    ran = []
-    real = cm.run_plan
-
-    def counting(*a, **k):
-        ran.append(a[0].schedule.collective)
-        return real(*a, **k)
-    cm.run_plan = counting
+    ran, undo = _count_executor_runs()
     p, r, n = comm.size, comm.rank, 40_000
     bad = []
     try:
@@ -290,7 +293,7 @@ def _medium_on_small_path(comm):
                 if not ok:
                     bad.append((algo, name))
     finally:
-        cm.run_plan = real
+        undo()
     return bad, ran, comm.transport.small_bytes == shm.CHUNK
 
 
