@@ -87,7 +87,7 @@ def _matrix_and_paths(comm):
         # 20001 elements: every message is above the eager size (16 KiB) and MINICOMM_CMA_MIN
         n += matrix(comm, algo, counts=(20001,), dtypes=("int32", "float64"),
                     all_roots=comm.size <= 2, every_op=False)
-    return n, t.single_copy_peers(), t.describe_copies()
+    return n, t.single_copy_peers(), t.describe_copies(), t.received_single_copy["cma"]
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])
@@ -99,14 +99,17 @@ def test_matrix_over_shm_with_and_without_single_copy(p, mode, monkeypatch):
     elif cma.disabled() is not None:
         pytest.skip(f"single copy unavailable: {cma.disabled()}")
     res = mc.spawn(_matrix_and_paths, p, transport="shm", timeout=180)
-    for r, (n, peers, text) in enumerate(res):
+    for r, (n, peers, text, reads) in enumerate(res):
         assert n == res[0][0] > 0
         others = [q for q in range(p) if q != r]
         if mode == "forced-off":
             assert peers == [] and "MINICOMM_CMA=0" in text, text
+            assert reads == 0
         else:
             assert peers == others, text
             assert "single-copy" in text
+            # the small path leaves single-copy sends to isend: messages really went that way
+            assert reads > 0
 
 
 def _p2p_out_of_the_way(comm):
