@@ -403,7 +403,9 @@ class Progress:
                     continue
                 if now >= spin_until and longer:
                     longer = False            # a large message: spin about its copy time
-                    want = max(r.nbytes for r in reqs if not r.done) / SPIN_BYTES_PER_S
+                    # default: another thread (a NIC agent) may complete the last one meanwhile
+                    want = max((r.nbytes for r in reqs if not r.done),
+                               default=0) / SPIN_BYTES_PER_S
                     if want > spin:
                         spin = want if want < SPIN_MAX_S else SPIN_MAX_S
                         spin_until += spin - SPIN_S
