@@ -5,10 +5,10 @@ A call whose every message is small (at most the transport's ``small_bytes``, th
 latency-bound or close to it: interpreting the schedule, request objects and matching queues cost
 the same at any size, and below a chunk they are what separates a call from its copies (1 MiB
 calls ran 1.08-1.80x faster at n=2 and n=4 than with the old 16 KiB limit, interleaved in one
-job: examples/small_path_ab.py; the README's speed notes have the numbers). For those calls the schedule is compiled
-once per (collective, algorithm, world size, rank, count, dtype, op, root) into a ``SmallPlan``:
-per step, the step index, the local ops, the sends and the receives as plain tuples with world
-ranks and buffer indices resolved. ``run_small`` walks that
+job: examples/small_path_ab.py; the README's speed notes have the numbers). For those calls
+the schedule is compiled once per (collective, algorithm, world size, rank, count, dtype, op,
+root) into a ``SmallPlan``: per step, the step index, the local ops, the sends and the receives
+as plain tuples with world ranks and buffer indices resolved. ``run_small`` walks that
 list and hands each message straight to the transport: ``send_now(peer, view, tag)`` writes it
 into the peer's ring (False: no room now, it is posted with ``isend`` instead);
 ``recv_now(peer, view, tag, reduce, spin)`` takes (or reduces) the next record of the peer's ring
