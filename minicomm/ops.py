@@ -55,7 +55,7 @@ def kernel(op: str) -> Callable[[np.ndarray, np.ndarray], None]:
     uf = _UFUNC[op]
 
     def reduce_inplace(dst: np.ndarray, src: np.ndarray) -> None:
-        uf(dst, src, dst)             # out positionally: no keyword parsing (~0.13 us a call)
+        uf(dst, src, out=dst)
     reduce_inplace.ufunc = uf         # for kernels that write a third array (executor fusion)
     return reduce_inplace
 
