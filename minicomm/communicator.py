@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import numbers
 import queue
 import sys
@@ -46,7 +47,7 @@ from .transports.base import ABORT_CALL, ABORT_KINDS, Tag
 from .window import Window
 
 DEFAULT_TIMEOUT = settings.DEFAULT_TIMEOUT
-_SCATTER_META = "scatter:meta"     # scatter's shape/dtype broadcast (errors.COLLECTIVE_CODES)
+_SCATTER_META = "scatter:meta"     # scatter's header exchange (errors.COLLECTIVE_CODES)
 # MINICOMM_SMALL_PATH=0: every call runs through the executor (minicomm.smallpath's A/B switch)
 _SMALL_OFF = not env_flag("MINICOMM_SMALL_PATH", True)
 _new_tag = tuple.__new__               # Tag(...) without the namedtuple's Python-level __new__
@@ -169,6 +170,8 @@ class Communicator:
         self.check = check or ("full" if debug == "detail" else "header")
         self._calls: Dict[Tuple, _Call] = {}
         self._fingerprints: Dict[Tuple, np.ndarray] = {}
+        self._scatter_headers: Dict[Tuple, Tuple] = {}      # _scatter_header_plan's, memoised
+        self._scatter_metas: Dict[bytes, Tuple] = {}        # decoded scatter headers, memoised
         # False: every call runs through the executor (what the link probe times against the
         # small-message path; MINICOMM_SMALL_PATH=0 does it for the whole process)
         self.small_path = True
@@ -441,17 +444,15 @@ class Communicator:
         key = (coll, op, algorithm, dtype, count, root)
         c = self._calls.get(key)
         if c is None:
-            # scatter's shape/dtype broadcast runs as a broadcast but says it is scatter's
-            run_as = "broadcast" if coll == _SCATTER_META else coll
-            algo = self._resolve_algorithm(run_as, algorithm, count * dtype.itemsize)
-            plan = self._plan(run_as, algo, count, root)
+            algo = self._resolve_algorithm(coll, algorithm, count * dtype.itemsize)
+            plan = self._plan(coll, algo, count, root)
             small = self._small(plan, dtype)
             c = _Call(
-                coll=run_as, algo=algo,
-                call=pack_call(coll, op, algo, dtype, root if run_as in ROOTED else -1),
+                coll=coll, algo=algo,
+                call=pack_call(coll, op, algo, dtype, root if coll in ROOTED else -1),
                 plan=plan,
                 kernel=_ops.get_kernel(op) if op != "none" else None,
-                rooted=run_as in ROOTED,
+                rooted=coll in ROOTED,
                 # what wait_all names in errors (they add the step and the call's number)
                 label=f"{coll} ({algo})", requested=algorithm not in (None, "auto"),
                 small=small, dtype=dtype, count=count,
@@ -753,32 +754,135 @@ class Communicator:
     @_serialized("scatter")
     def scatter(self, x, root=0, algorithm="auto", out=None, async_op=False):
         """Root's x has shape (size, *s); every rank returns its block x[rank] of shape s.
-        Other ranks' x is ignored (None is fine): they learn shape and dtype from the root."""
+        Other ranks' x is ignored (None is fine): they learn shape and dtype from the root,
+        or from their out= (which must then match the root's block)."""
         root = self._check_root(root, "scatter")
+        inflat = res = outflat = None
         if self.rank == root:
             arr, inflat = self._flat_in(x)
-            self._blocked(arr, "scatter")
-            meta = _encode_meta(arr.dtype, arr.shape[1:])
+            block, dtype = self._blocked(arr, "scatter"), arr.dtype
+        elif out is not None:
+            if not isinstance(out, np.ndarray):
+                raise TypeError("scatter: out= must be a numpy array")
+            block, dtype = out.shape, out.dtype
         else:
-            meta = np.zeros(_META_WORDS, dtype=np.int64)
+            block = dtype = None          # the root's header row says
+        if block is not None:
+            if len(block) > _META_WORDS - 3:      # what _encode_meta refuses, before any message
+                _encode_meta(dtype, block)
+            res, outflat = self._make_out(out, block, dtype, "scatter")
 
         def run():
-            m = np.empty(_META_WORDS, dtype=np.int64)
-            self._execute(_SCATTER_META, meta, m, _META_WORDS, "none", root, "tree",
-                          (_META_WORDS,))
-            dtype, block = _decode_meta(m)
-            res, outflat = self._make_out(out, block, dtype, "scatter")
-            count = outflat.size
-            if self.rank == root:
-                src = self._separate(inflat, outflat, out)
-            else:
-                src = np.empty(0, dtype=dtype)
-            shape = (self.size,) + tuple(block)
-            # the metadata broadcast above already proved every rank agrees on the root
-            self._execute("scatter", src, outflat, count, "none", root, algorithm, shape,
-                          fingerprint=False)
+            nonlocal res, outflat
+            try:
+                c, dt, count, shape, finish = self._scatter_header(root, algorithm, dtype, block)
+            except CommError as e:
+                self._fail(e)
+            if res is None:
+                res, outflat = self._make_out(out, shape[1:], dt, "scatter")
+            src = (self._separate(inflat, outflat, out) if self.rank == root
+                   else np.empty(0, dtype=outflat.dtype))
+            # the header exchange is this call's argument check (its fingerprints)
+            self._run_call(c, src, outflat, count, shape, fingerprint=False)
+            try:
+                finish()
+            except CommError as e:
+                self._fail(e)
             return res
         return self._submit("scatter", run, async_op)
+
+    def _scatter_header(self, root: int, algorithm: Optional[str], dtype, block):
+        """Scatter's header exchange, which is also its argument check: every rank sends every
+        other one row, its fingerprint of the call (``_fingerprint``: the packed signature, the
+        count, the shape's crc32) followed by the block's shape and dtype (``_encode_meta``).
+        A rank that does not know them (a non-root without out=; ``dtype`` None) sends a row
+        of zeros, which claims nothing (the tag has already said scatter and the root), then
+        takes the root's row. Every rank takes the rows of the peers it receives data from before
+        the data (each is that peer's first message of the call, so FIFO order puts it there)
+        and compares them on arrival; ``finish()``, after the data, takes and compares the
+        others' (check='full': all of them before the data). The tag names scatter and its
+        root but no dtype, which the rank may not know yet; the rows compare the rest.
+
+        Returns the call (``_Call``), its dtype, count and shape, and ``finish``."""
+        size, me, group, t = self.size, self.rank, self.group, self.transport
+        seq = self._next_seq()
+        tag = _new_tag(Tag, (self._ctx, seq, 0, pack_call(_SCATTER_META, "none", "none", None,
+                                                           root), _HEADER_WORDS))
+        deadline, what = self._deadline(), f"scatter #{seq} (its header)"
+        fast = self.small_path and hasattr(t, "recv_now")
+
+        def take(ranks, rows):
+            reqs = [t.irecv(group[r], rows[r], tag) for r in ranks
+                    if not (fast and t.recv_now(group[r], rows[r], tag, None, SMALL_SPIN_S))]
+            if reqs:
+                t.wait_all(reqs, deadline, what)
+
+        def send(row):
+            return [t.isend(group[r], row, tag) for r in range(size) if r != me
+                    and not (fast and t.send_now(group[r], row, tag))]
+        rows = np.empty((size, _HEADER_WORDS), dtype=np.int64)
+        took_root = dtype is None
+        if took_root:
+            sends = send(_NO_CLAIM)       # at once: the peers need not wait for the root's row
+            take((root,), rows)
+            meta = rows[root, 3:].tobytes()
+            decoded = self._scatter_metas.get(meta)
+            if decoded is None:
+                if len(self._scatter_metas) > 256:
+                    self._scatter_metas.clear()
+                decoded = self._scatter_metas[meta] = _decode_meta(rows[root, 3:])
+            dtype, block = decoded
+        h = self._scatter_headers.get((root, algorithm, dtype, block))
+        if h is None:
+            h = self._scatter_headers[(root, algorithm, dtype, block)] = \
+                self._scatter_header_plan(root, algorithm, dtype, block)
+        c, count, shape, mine, first, rest, first_after_root, rest_after_root = h
+        if took_root:
+            root_row = rows[root].copy()
+            rows[:] = mine                # every row holds ours until theirs arrives
+            rows[root] = root_row
+            first, rest = first_after_root, rest_after_root
+        else:
+            rows[:] = mine
+            sends = send(mine)
+        key = mine[:3].tobytes()
+
+        def check(ranks):
+            if any(rows[r, :3].tobytes() != key and rows[r, 0] != 0 for r in ranks):
+                claims = np.ascontiguousarray(rows[:, :3])
+                claims[claims[:, 0] == 0] = mine[:3]
+                self._compare_fingerprints(claims, mine[:3].copy(), c.call, count, seq)
+        take(first, rows)
+        check(first + (root,) if took_root else first)
+
+        def finish():
+            take(rest, rows)
+            if sends:
+                t.wait_all(sends, deadline, what)
+            check(rest)
+        return c, dtype, count, shape, finish
+
+    def _scatter_header_plan(self, root: int, algorithm: Optional[str], dtype, block):
+        """What ``_scatter_header`` derives from a call's signature: the call, its count and
+        shape, this rank's row (read-only), the ranks whose rows come before the data (the
+        root's first) and those taken at the end, and both without the root (for a rank that
+        took the root's row first)."""
+        if len(self._scatter_headers) > 256:
+            self._scatter_headers.clear()
+        shape = (self.size,) + tuple(block)
+        count = math.prod(block)
+        c = self._calls.get(("scatter", "none", algorithm, dtype, count, root)) \
+            or self._prepare("scatter", "none", algorithm, dtype, count, root)
+        mine = np.empty(_HEADER_WORDS, dtype=np.int64)
+        mine[:3] = self._fingerprint(c.call, count, shape)
+        mine[3:] = _encode_meta(dtype, block)
+        mine.flags.writeable = False
+        heard, me = c.plan.recv_peers, self.rank
+        first = tuple(r for r in sorted(range(self.size), key=lambda r: r != root)
+                      if r != me and (self.check == "full" or self.group[r] in heard))
+        rest = tuple(r for r in range(self.size) if r != me and r not in first)
+        return (c, count, shape, mine, first, rest, tuple(r for r in first if r != root),
+                tuple(r for r in rest if r != root))
 
     def barrier(self, algorithm="auto", async_op=False):
         # the hot case, as in allreduce: a synchronous barrier whose signature ran before
@@ -1129,6 +1233,9 @@ class Communicator:
 
 
 _META_WORDS = 16
+_HEADER_WORDS = 3 + _META_WORDS     # a scatter header row: fingerprint, then shape and dtype
+_NO_CLAIM = np.zeros(_HEADER_WORDS, dtype=np.int64)   # ... of a rank that takes the root's word
+_NO_CLAIM.flags.writeable = False
 
 
 def _encode_meta(dtype: np.dtype, shape: Tuple[int, ...]) -> np.ndarray:

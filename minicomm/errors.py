@@ -42,7 +42,8 @@ COLLECTIVE_CODES = ("p2p", "broadcast", "reduce", "allreduce", "allgather", "red
                     "gather", "scatter", "alltoall", "barrier", "fingerprint", "scatter:meta")
 # "fingerprint": the argument check before a rooted call (or every call, MINICOMM_DEBUG=detail);
 # its tag carries the checked call's collective in the algorithm bits (see fingerprint_call), so a
-# rank in another call names it. "scatter:meta": scatter's shape/dtype broadcast.
+# rank in another call names it. "scatter:meta": scatter's header exchange (its argument check,
+# which also tells the ranks the block's shape and dtype).
 OP_CODES = ("none", "sum", "prod", "min", "max", "avg", "band", "bor", "bxor")
 ALGO_CODES = ("none", "ring", "tree", "rhd", "hier")
 
@@ -92,7 +93,7 @@ def describe_call(tag) -> str:
     if coll == "p2p":
         return f"send/recv with tag {root} of {tag.count} bytes"
     if coll == "scatter:meta":
-        return f"scatter root={root} (its shape/dtype broadcast)"
+        return f"scatter root={root} (its header: argument check, shape and dtype)"
     parts = [coll]
     if op != "none":
         parts.append(f"op={op}")

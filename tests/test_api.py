@@ -205,3 +205,50 @@ def test_zero_sized_world_and_singletons():
     res = mc.spawn(lambda c: (c.allreduce(np.ones(2)).tolist(), c.allgather(np.ones(1)).shape,
                               c.scatter(np.arange(3).reshape(1, 3)).tolist()), 1, transport="inproc")
     assert res == [([1.0, 1.0], (1, 1), [0, 1, 2])]
+
+
+def _scatter_mixed(comm, root, family):
+    """Every third non-root passes no out= (it learns shape and dtype from the root's header
+    row); the others pass out= (which names them)."""
+    n, r = comm.size, comm.rank
+    x = np.arange(n * 6, dtype=np.int32).reshape(n, 2, 3) * (root + 1) if r == root else None
+    out = None if r % 3 == 1 else np.empty((2, 3), dtype=np.int32)
+    got = comm.scatter(x, root=root, algorithm=family, out=out)
+    assert out is None or got is out
+    return got.tolist()
+
+
+@pytest.mark.parametrize("transport,n", [("inproc", 3), ("inproc", 5), ("shm", 4)])
+def test_scatter_with_and_without_out_on_the_same_call(transport, n):
+    for family in ("ring", "tree", "rhd", "hier"):
+        for root in (0, n - 1):
+            want = (np.arange(n * 6, dtype=np.int32).reshape(n, 2, 3) * (root + 1)).tolist()
+            got = mc.spawn(_scatter_mixed, n, args=(root, family), transport=transport,
+                           nodes=2 if family == "hier" else 1, timeout=30)
+            assert got == want, (family, root)
+
+
+def _scatter_wrong_out(comm, what):
+    r = comm.rank
+    x = np.ones((comm.size, 4), dtype=np.float32) if r == 0 else None
+    if r == comm.size - 1:
+        out = np.empty(5, np.float32) if what == "shape" else np.empty(4, np.float64)
+    else:
+        out = np.empty(4, np.float32) if r % 2 == 0 else None
+    try:
+        comm.scatter(x, root=0, out=out)
+    except mc.CommError as e:
+        return type(e).__name__, str(e)
+    return None, ""
+
+
+@pytest.mark.parametrize("transport", ["inproc", "shm"])
+@pytest.mark.parametrize("what", ["shape", "dtype"])
+def test_scatter_out_unlike_the_roots_block_is_a_mismatch_on_every_rank(transport, what):
+    # the out= of a non-root names its block; one that disagrees with the root's is a named
+    # error on every rank within the timeout, never a hang of the others
+    out = mc.spawn(_scatter_wrong_out, 4, args=(what,), transport=transport, timeout=30)
+    kinds = [k for k, _ in out]
+    assert all(k in ("MismatchError", "PeerFailure") for k in kinds), out
+    word = "count=5" if what == "shape" else "float64"
+    assert any(k == "MismatchError" and word in t for k, t in out), out
