@@ -53,7 +53,7 @@ def main():
     for _ in range(int(os.environ.get("ROUNDS", "5"))):
         for name, limit in limits.items():
             t.small_bytes = limit
-            comm._calls.clear()           # plans are chosen per call signature: choose again
+            comm._forget_calls()          # plans are chosen per call signature: choose again
             for coll, call in cases.items():
                 for _ in range(20):
                     call()

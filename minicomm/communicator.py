@@ -213,7 +213,13 @@ class Communicator:
     @link_model.setter
     def link_model(self, model: LinkModel) -> None:
         self._link_model = model
-        self._calls.clear()           # cached algorithm choices followed the old model
+        self._forget_calls()          # cached algorithm choices followed the old model
+
+    def _forget_calls(self) -> None:
+        """Drop every call derived from a signature (``_prepare``'s, and the scatter header
+        plans that hold them): the next call of each chooses and compiles again."""
+        self._calls.clear()
+        self._scatter_headers.clear()
 
     # ------------------------------------------------------------------ infrastructure
     def _log(self, msg: str) -> None:

@@ -252,3 +252,19 @@ def test_scatter_out_unlike_the_roots_block_is_a_mismatch_on_every_rank(transpor
     assert all(k in ("MismatchError", "PeerFailure") for k in kinds), out
     word = "count=5" if what == "shape" else "float64"
     assert any(k == "MismatchError" and word in t for k, t in out), out
+
+
+def test_a_new_link_model_drops_the_scatter_calls_chosen_under_the_old_one():
+    # scatter's header plans hold the call (algorithm, compiled plan) chosen under the link
+    # model of their time; setting another model must make the next scatter choose again
+    def fn(comm):
+        x = np.ones((comm.size, 3)) if comm.rank == 0 else None
+        comm.scatter(x, root=0)
+        before = [h[0] for h in comm._scatter_headers.values()]
+        comm.link_model = comm.link_model
+        emptied = not comm._scatter_headers
+        got = comm.scatter(x, root=0).tolist()
+        after = [h[0] for h in comm._scatter_headers.values()]
+        return emptied, len(before) == len(after) == 1 and before[0] is not after[0], got
+    for emptied, rechosen, got in spawn(fn, 3):
+        assert emptied and rechosen and got == [1.0, 1.0, 1.0]
