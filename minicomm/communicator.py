@@ -812,8 +812,7 @@ class Communicator:
         Returns the call (``_Call``), its dtype, count and shape, and ``finish``."""
         size, me, group, t = self.size, self.rank, self.group, self.transport
         seq = self._next_seq()
-        tag = _new_tag(Tag, (self._ctx, seq, 0, pack_call(_SCATTER_META, "none", "none", None,
-                                                           root), _HEADER_WORDS))
+        tag = _new_tag(Tag, (self._ctx, seq, 0, _scatter_header_call(root), _HEADER_WORDS))
         deadline, what = self._deadline(), f"scatter #{seq} (its header)"
         fast = self.small_path and hasattr(t, "recv_now")
 
@@ -842,7 +841,7 @@ class Communicator:
         if h is None:
             h = self._scatter_headers[(root, algorithm, dtype, block)] = \
                 self._scatter_header_plan(root, algorithm, dtype, block)
-        c, count, shape, mine, first, rest, first_after_root, rest_after_root = h
+        c, count, shape, mine, key, first, rest, first_after_root, rest_after_root = h
         if took_root:
             root_row = rows[root].copy()
             rows[:] = mine                # every row holds ours until theirs arrives
@@ -851,7 +850,6 @@ class Communicator:
         else:
             rows[:] = mine
             sends = send(mine)
-        key = mine[:3].tobytes()
 
         def check(ranks):
             if any(rows[r, :3].tobytes() != key and rows[r, 0] != 0 for r in ranks):
@@ -870,7 +868,8 @@ class Communicator:
 
     def _scatter_header_plan(self, root: int, algorithm: Optional[str], dtype, block):
         """What ``_scatter_header`` derives from a call's signature: the call, its count and
-        shape, this rank's row (read-only), the ranks whose rows come before the data (the
+        shape, this rank's row (read-only) and its fingerprint part's bytes (what the arriving
+        rows are compared with), the ranks whose rows come before the data (the
         root's first) and those taken at the end, and both without the root (for a rank that
         took the root's row first)."""
         if len(self._scatter_headers) > 256:
@@ -887,8 +886,8 @@ class Communicator:
         first = tuple(r for r in sorted(range(self.size), key=lambda r: r != root)
                       if r != me and (self.check == "full" or self.group[r] in heard))
         rest = tuple(r for r in range(self.size) if r != me and r not in first)
-        return (c, count, shape, mine, first, rest, tuple(r for r in first if r != root),
-                tuple(r for r in rest if r != root))
+        return (c, count, shape, mine, mine[:3].tobytes(), first, rest,
+                tuple(r for r in first if r != root), tuple(r for r in rest if r != root))
 
     def barrier(self, algorithm="auto", async_op=False):
         # the hot case, as in allreduce: a synchronous barrier whose signature ran before
@@ -1242,6 +1241,12 @@ _META_WORDS = 16
 _HEADER_WORDS = 3 + _META_WORDS     # a scatter header row: fingerprint, then shape and dtype
 _NO_CLAIM = np.zeros(_HEADER_WORDS, dtype=np.int64)   # ... of a rank that takes the root's word
 _NO_CLAIM.flags.writeable = False
+
+
+@functools.lru_cache(maxsize=None)
+def _scatter_header_call(root: int) -> int:
+    """The packed call in a scatter header's tag: scatter and its root, no dtype (see there)."""
+    return pack_call(_SCATTER_META, "none", "none", None, root)
 
 
 def _encode_meta(dtype: np.dtype, shape: Tuple[int, ...]) -> np.ndarray:
