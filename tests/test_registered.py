@@ -11,7 +11,15 @@ import minicomm as mc
 from collective_check import BLOCKED, COLLS, rank_input, reference, run_call
 from leaks import job_segments, my_worker_processes, nothing_left_behind  # noqa: F401
 
-COUNT = 20001            # float64 blocks of 160 KB: above the registered threshold (64 KiB)
+COUNT = 20001            # float64 blocks of 160 KB: above the 64 KiB ring chunk set below
+
+
+@pytest.fixture(autouse=True)
+def _small_chunk(monkeypatch):
+    """A message from registered memory goes as a descriptor when it is larger than the ring's
+    chunk (1 MiB by default); a 64 KiB chunk puts these 160 KB blocks above it, so the tests
+    exercise the registered path without MiB-sized data (the ranks inherit the setting)."""
+    monkeypatch.setenv("MINICOMM_SHM_CHUNK", str(64 << 10))
 
 
 def _shm(comm):

@@ -31,7 +31,7 @@ CTX = mp.get_context("spawn")
 SETUP = 30.0                          # setup / wait deadline inside the ranks
 SIZES = (0, 1, 1001, 5 << 20)         # bytes: empty, one, odd, several chunks
 ALLREDUCE = pack_call("allreduce", "sum", "ring", np.float64, -1)
-EAGER_PLUS = 128 << 10                # above shm's EAGER and REGISTERED_MIN, below a chunk
+EAGER_PLUS = 128 << 10                # above shm's EAGER, below a chunk
 
 
 def ADD(dst, src):
@@ -273,8 +273,9 @@ def sc_small_steps(t, rank, size, store):
 def sc_one_record_sends(t, rank, size, store):
     """shm's send_now up to a chunk (the small path's upper sizes): whole records while the ring
     has room, then False -- and False for every later message while one is queued (FIFO) --
-    and False for what isend sends otherwise (above a chunk: streamed; registered memory: a
-    descriptor). The receiver gets every message, in order, by recv_now or irecv."""
+    and False for what isend sends otherwise (above a chunk: streamed, or from registered
+    memory a descriptor). A registered message of up to a chunk is one record like any other.
+    The receiver gets every message, in order, by recv_now or irecv."""
     chunk, dl, k = t.small_bytes, time.monotonic() + SETUP, 8
     call = pack_call("broadcast", "none", "tree", np.uint8, 0)
     msgs = [np.full(chunk, i + 1, dtype=np.uint8) for i in range(k)]
@@ -288,12 +289,18 @@ def sc_one_record_sends(t, rank, size, store):
         t.wait_all(reqs, dl, "fill")
         t.wait_all([t.isend(1, msgs[0], Tag(1, k, 0, call, chunk))], dl, "last")
         big = np.zeros(chunk + 8, dtype=np.uint8)
-        reg = t.register_memory(EAGER_PLUS)
+        reg = t.register_memory(chunk + 8)
+        reg[:] = 9
         refused += [t.send_now(1, big, Tag(1, k + 1, 0, call, big.size)),
                     t.send_now(1, reg, Tag(1, k + 2, 0, call, reg.size))]
         t.wait_all([t.isend(1, big, Tag(1, k + 1, 0, call, big.size)),
                     t.isend(1, reg, Tag(1, k + 2, 0, call, reg.size))], dl, "others")
-        return {"went": went, "refused": refused, "chunk": chunk}
+        small_reg = t.register_memory(EAGER_PLUS)
+        small_reg[:] = 5
+        took = t.send_now(1, small_reg, Tag(1, k + 3, 0, call, EAGER_PLUS))
+        if not took:
+            t.wait_all([t.isend(1, small_reg, Tag(1, k + 3, 0, call, EAGER_PLUS))], dl, "reg")
+        return {"went": went, "refused": refused, "chunk": chunk, "small_registered": took}
     store.get("filled")
     got, taken = [], 0
     for i in range(k + 1):
@@ -303,10 +310,13 @@ def sc_one_record_sends(t, rank, size, store):
         else:
             t.wait_all([t.irecv(0, buf, Tag(1, i, 0, call, chunk))], dl, "recv")
         got.append(int(buf[0]) if (buf == buf[0]).all() else -1)
-    rest = [np.empty(chunk + 8, dtype=np.uint8), np.empty(EAGER_PLUS, dtype=np.uint8)]
+    rest = [np.empty(chunk + 8, dtype=np.uint8), np.empty(chunk + 8, dtype=np.uint8),
+            np.empty(EAGER_PLUS, dtype=np.uint8)]
     t.wait_all([t.irecv(0, rest[0], Tag(1, k + 1, 0, call, chunk + 8)),
-                t.irecv(0, rest[1], Tag(1, k + 2, 0, call, EAGER_PLUS))], dl, "others")
-    return {"got": got, "taken": taken}
+                t.irecv(0, rest[1], Tag(1, k + 2, 0, call, chunk + 8)),
+                t.irecv(0, rest[2], Tag(1, k + 3, 0, call, EAGER_PLUS))], dl, "others")
+    return {"got": got, "taken": taken, "rest": [int(b.min()) + 100 * int(b.max()) for b in rest],
+            "single_copy": dict(t.received_single_copy)}
 
 
 def sc_hold(t, rank, size, store):
@@ -386,7 +396,11 @@ def test_send_now_moves_a_chunk_as_one_record_and_leaves_the_rest_to_isend(no_le
     # the 4 MiB ring takes a few whole 1 MiB records, then no more until the receiver drains
     assert 1 <= sender["went"] < 8, sender
     assert sender["refused"] == [False, False, False], sender
+    assert sender["small_registered"] is True, sender      # a chunk or less: one record
     assert receiver["got"] == [1, 2, 3, 4, 5, 6, 7, 8, 1], receiver       # all, in order
+    assert receiver["rest"] == [0, 909, 505], receiver
+    # only the registered message above a chunk went as a registered-memory descriptor
+    assert receiver["single_copy"]["registered"] == 1, receiver
     assert receiver["taken"] >= sender["went"], (sender, receiver)
 
 
