@@ -135,12 +135,16 @@ def test_a_single_copy_read_into_a_skewed_destination_reads_through_an_aligned_s
     assert not [r for r in reads if bytecopy.page_skewed(r[1], r[0])], reads
 
 
+# above a ring chunk (1 MiB), so it goes as a registered descriptor, and whole 256 KiB pieces
+REGISTERED_BYTES = (1 << 20) + (256 << 10)
+
+
 def _registered_into_plain(comm):
     calls = []
     real = bytecopy.skewed_copy
     bytecopy.skewed_copy = lambda d, s: (calls.append(d.nbytes), real(d, s))
     try:
-        n = 1 << 20
+        n = REGISTERED_BYTES
         if comm.rank == 0:
             buf = comm.empty(n, np.uint8)               # registered: page-aligned
             buf[:] = np.arange(n, dtype=np.uint32).astype(np.uint8)
@@ -157,4 +161,4 @@ def test_a_registered_message_into_a_skewed_plain_buffer_avoids_memmove():
     # the receiver copies straight from the sender's registered segment (page-aligned) into a
     # plain buffer 16 bytes past a page: every 256 KiB piece through the ufunc
     res = mc.spawn(_registered_into_plain, 2, transport="shm", timeout=60)
-    assert res[0][0] and res[1] == (True, 1 << 20, 1)
+    assert res[0][0] and res[1] == (True, REGISTERED_BYTES, 1)
