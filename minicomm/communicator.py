@@ -56,6 +56,8 @@ _EMPTY = np.empty(0, dtype=np.uint8)   # barrier's buffers (never written: zero 
 _get_ident = threading.get_ident
 _monotonic = time.monotonic
 _HOT_TMP_BYTES = 64 << 10              # a hot call keeps its own scratch up to this size
+_MISS = object()                      # Communicator._quick: not the hot case
+_SAME, _STACKED, _BLOCKS, _ALL_BLOCKS = 0, 1, 2, 3   # ... and its layouts of x and out
 
 # Context ids (Tag.comm). A communicator has a number, ``comm_id``, unique among the
 # communicators that share a transport; its collectives travel on context ``comm_id << 2`` and its
@@ -658,6 +660,56 @@ class Communicator:
         finally:
             self._exit()
 
+    def _quick(self, name: str, op: str, algorithm, root: int, x, out, layout: int,
+               root_only: bool = False):
+        """allreduce's hot case for the other collectives: a synchronous call on a C-contiguous
+        array whose call signature ran before (so its op, dtype, root and shapes were validated
+        then), with nothing queued. The same steps as the general path, minus its argument
+        handling and closure; ``_MISS`` (nothing done) whenever anything differs from that case,
+        and the general path runs the call (and explains what is wrong).
+
+        ``layout``: ``_SAME`` (out has x's shape: broadcast, reduce), ``_STACKED`` (out is
+        ``(size,) + x.shape``: allgather, gather), ``_BLOCKS`` (x is ``(size, ...)`` blocks, out
+        one block: reduce_scatter) or ``_ALL_BLOCKS`` (x and out are such blocks: alltoall).
+        ``root_only``: the call's result is the root's (reduce, gather); the other ranks get
+        None and a scratch output, and ignore ``out`` as the general path does."""
+        if type(x) is not np.ndarray or self._pending or not x.flags.c_contiguous \
+                or self._closed or self._broken is not None or type(root) is not int:
+            return _MISS
+        if layout >= _BLOCKS:
+            if x.ndim == 0 or x.shape[0] != self.size:
+                return _MISS
+            count, shape = x.size // self.size, x.shape[1:] if layout == _BLOCKS else x.shape
+        else:
+            count = x.size
+            shape = (self.size,) + x.shape if layout == _STACKED else x.shape
+        c = self._calls.get((name, op, algorithm, x.dtype, count, root))
+        if c is None:
+            return _MISS
+        inb = x if x.ndim == 1 else x.reshape(-1)
+        if root_only and self.rank != root:
+            res, outb = None, np.empty(count * self.size if layout == _STACKED else count, x.dtype)
+        else:
+            if out is None:
+                res = np.empty(shape, x.dtype)
+            elif type(out) is np.ndarray and out.shape == shape and out.dtype == x.dtype \
+                    and out.flags.c_contiguous:
+                res = out
+            else:
+                return _MISS
+            outb = res if res.ndim == 1 else res.reshape(-1)
+            if out is not None and not (name == "broadcast" and self.rank != root):
+                inb = self._separate(inb, outb, out)
+        if not (c.hot and self._hot(name, c, inb, outb)):
+            self._enter(name)
+            try:
+                self._run_call(c, inb, outb, count, x.shape)
+            finally:
+                self._exit()
+        if op == _ops.AVG and res is not None:
+            outb /= self.size
+        return res
+
     def _allreduce(self, x, op, algorithm, out, async_op):
         op = _ops.normalize(op)
         arr, inflat = self._flat_in(x)
@@ -671,8 +723,18 @@ class Communicator:
             return res
         return self._submit("allreduce", run, async_op)
 
-    @_serialized("reduce")
     def reduce(self, x, root=0, op="sum", algorithm="auto", out=None, async_op=False):
+        if not async_op:
+            res = self._quick("reduce", op, algorithm, root, x, out, _SAME, root_only=True)
+            if res is not _MISS:
+                return res
+        self._enter("reduce")
+        try:
+            return self._reduce(x, root, op, algorithm, out, async_op)
+        finally:
+            self._exit()
+
+    def _reduce(self, x, root, op, algorithm, out, async_op):
         op = _ops.normalize(op)
         root = self._check_root(root, "reduce")
         arr, inflat = self._flat_in(x)
@@ -690,8 +752,18 @@ class Communicator:
             return res
         return self._submit("reduce", run, async_op)
 
-    @_serialized("broadcast")
     def broadcast(self, x, root=0, algorithm="auto", out=None, async_op=False):
+        if not async_op:
+            res = self._quick("broadcast", "none", algorithm, root, x, out, _SAME)
+            if res is not _MISS:
+                return res
+        self._enter("broadcast")
+        try:
+            return self._broadcast(x, root, algorithm, out, async_op)
+        finally:
+            self._exit()
+
+    def _broadcast(self, x, root, algorithm, out, async_op):
         root = self._check_root(root, "broadcast")
         arr, inflat = self._flat_in(x)
         res, outflat = self._make_out(out, arr.shape, arr.dtype, "broadcast")
@@ -702,8 +774,18 @@ class Communicator:
             return res
         return self._submit("broadcast", run, async_op)
 
-    @_serialized("allgather")
     def allgather(self, x, algorithm="auto", out=None, async_op=False):
+        if not async_op:
+            res = self._quick("allgather", "none", algorithm, 0, x, out, _STACKED)
+            if res is not _MISS:
+                return res
+        self._enter("allgather")
+        try:
+            return self._allgather(x, algorithm, out, async_op)
+        finally:
+            self._exit()
+
+    def _allgather(self, x, algorithm, out, async_op):
         arr, inflat = self._flat_in(x)
         res, outflat = self._make_out(out, (self.size,) + arr.shape, arr.dtype, "allgather")
         inflat = self._separate(inflat, outflat, out)
@@ -713,8 +795,18 @@ class Communicator:
             return res
         return self._submit("allgather", run, async_op)
 
-    @_serialized("gather")
     def gather(self, x, root=0, algorithm="auto", out=None, async_op=False):
+        if not async_op:
+            res = self._quick("gather", "none", algorithm, root, x, out, _STACKED, root_only=True)
+            if res is not _MISS:
+                return res
+        self._enter("gather")
+        try:
+            return self._gather(x, root, algorithm, out, async_op)
+        finally:
+            self._exit()
+
+    def _gather(self, x, root, algorithm, out, async_op):
         root = self._check_root(root, "gather")
         arr, inflat = self._flat_in(x)
         if self.rank == root:
@@ -728,8 +820,18 @@ class Communicator:
             return res
         return self._submit("gather", run, async_op)
 
-    @_serialized("reduce_scatter")
     def reduce_scatter(self, x, op="sum", algorithm="auto", out=None, async_op=False):
+        if not async_op:
+            res = self._quick("reduce_scatter", op, algorithm, 0, x, out, _BLOCKS)
+            if res is not _MISS:
+                return res
+        self._enter("reduce_scatter")
+        try:
+            return self._reduce_scatter(x, op, algorithm, out, async_op)
+        finally:
+            self._exit()
+
+    def _reduce_scatter(self, x, op, algorithm, out, async_op):
         op = _ops.normalize(op)
         arr, inflat = self._flat_in(x)
         _ops.check_dtype(op, arr.dtype)
@@ -744,8 +846,18 @@ class Communicator:
             return res
         return self._submit("reduce_scatter", run, async_op)
 
-    @_serialized("alltoall")
     def alltoall(self, x, algorithm="auto", out=None, async_op=False):
+        if not async_op:
+            res = self._quick("alltoall", "none", algorithm, 0, x, out, _ALL_BLOCKS)
+            if res is not _MISS:
+                return res
+        self._enter("alltoall")
+        try:
+            return self._alltoall(x, algorithm, out, async_op)
+        finally:
+            self._exit()
+
+    def _alltoall(self, x, algorithm, out, async_op):
         arr, inflat = self._flat_in(x)
         self._blocked(arr, "alltoall")
         res, outflat = self._make_out(out, arr.shape, arr.dtype, "alltoall")

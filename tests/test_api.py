@@ -268,3 +268,66 @@ def test_a_new_link_model_drops_the_scatter_calls_chosen_under_the_old_one():
         return emptied, len(before) == len(after) == 1 and before[0] is not after[0], got
     for emptied, rechosen, got in spawn(fn, 3):
         assert emptied and rechosen and got == [1.0, 1.0, 1.0]
+
+
+def _repeated_calls(comm):
+    """Every collective with a hot case (Communicator._quick) called again and again with one
+    signature -- the first call validates it, the next ones take the hot case -- with out=
+    absent, given, and aliasing the input, 1-D and blocked inputs, a result only at the root,
+    avg's scaling; each result against numpy. Returns how often the hot case ran."""
+    from collective_check import rank_input, reference
+    from minicomm import communicator as C
+    p, r = comm.size, comm.rank
+    taken = []
+    real = comm._quick
+
+    def spy(*a, **k):
+        res = real(*a, **k)
+        taken.append(res is not C._MISS)
+        return res
+    comm._quick = spy
+    for dtype, op in ((np.float64, "sum"), (np.int32, "max"), (np.float32, "avg")):
+        for coll, shape, root in (("broadcast", (7,), p - 1), ("reduce", (7,), p - 1),
+                                  ("allgather", (5,), 0), ("gather", (2, 3), 1 % p),
+                                  ("reduce_scatter", (p, 4), 0), ("alltoall", (p, 3), 0)):
+            if op == "avg" and coll not in ("reduce", "reduce_scatter"):
+                continue
+            for rep in range(3):
+                inputs = [rank_input(q, shape, dtype, salt=rep) for q in range(p)]
+                want = reference(coll, p, r, inputs, op if coll in ("reduce", "reduce_scatter")
+                                 else None, root)
+                x = inputs[r].copy()
+                for how in ("none", "given", "alias"):
+                    out = None
+                    if how != "none" and want is not None:
+                        out = np.empty(want.shape, want.dtype)
+                    if how == "alias":
+                        if coll in ("broadcast", "alltoall"):
+                            x = out = inputs[r].copy()
+                        elif coll == "allgather":
+                            out = np.empty((p,) + shape, dtype)
+                            out[r] = inputs[r]
+                            x = out[r]
+                    kw = {"algorithm": "ring" if rep == 2 else "auto"}
+                    if coll in ("broadcast", "reduce", "gather"):
+                        kw["root"] = root
+                    if coll in ("reduce", "reduce_scatter"):
+                        kw["op"] = op
+                    got = getattr(comm, coll)(x, out=out, **kw)
+                    if want is None:
+                        assert got is None, (coll, how)
+                        continue
+                    if out is not None:
+                        assert got is out, (coll, how)
+                    if op == "avg":
+                        assert np.allclose(got, want), (coll, how, got, want)
+                    else:
+                        assert got.shape == want.shape and got.dtype == want.dtype \
+                            and np.array_equal(got, want), (coll, how, got, want)
+    return sum(taken), len(taken)
+
+
+@pytest.mark.parametrize("transport,p", [("inproc", 3), ("shm", 2), ("shm", 4)])
+def test_repeated_calls_take_the_hot_case_and_agree_with_numpy(transport, p):
+    for hot, calls in mc.spawn(_repeated_calls, p, transport=transport, timeout=120):
+        assert calls > 0 and hot >= calls // 2, (hot, calls)   # most repeats: the hot case
