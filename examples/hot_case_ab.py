@@ -1,8 +1,8 @@
-"""The collectives' hot case (``Communicator._quick``: a repeated call signature skips the
-argument handling) against the general path, A/B inside one job: every collective at one size,
-interleaved round by round in the same processes (interleave.py). Prints rank 0's median time
-per call of each and general / hot (above 1: the hot case is faster). allreduce and barrier have
-always had theirs (not switched here); scatter has none (its header exchange is its check).
+"""The collectives' hot case (``Communicator._quick``, ``_scatter_quick``: a repeated call
+signature skips the argument handling) against the general path, A/B inside one job: every
+collective at one size, interleaved round by round in the same processes (interleave.py). Prints
+rank 0's median time per call of each and general / hot (above 1: the hot case is faster).
+allreduce and barrier have always had theirs (not switched here).
 
     minicomm run -n 2 examples/hot_case_ab.py                 # 8 B, ROUNDS=5
     NBYTES=1M CALLS=200 ROUNDS=7 minicomm run -n 2 examples/hot_case_ab.py
@@ -20,15 +20,14 @@ def main():
     comm = mc.init()
     nbytes = parse_size(os.environ.get("NBYTES", "8"))
     cases = calls_on(comm, aligned, max(nbytes // 4, comm.size))
-    for skip in ("allreduce", "scatter"):
-        del cases[skip]
-    hot = comm._quick
+    del cases["allreduce"]
+    hot, hot_scatter = comm._quick, comm._scatter_quick
 
     def general():
-        comm._quick = lambda *args, **kw: communicator._MISS
+        comm._quick = comm._scatter_quick = lambda *args, **kw: communicator._MISS
 
     def hot_case():
-        comm._quick = hot
+        comm._quick, comm._scatter_quick = hot, hot_scatter
 
     modes = {"general": general, "hot": hot_case}
     medians = interleaved(comm, modes, cases, int(os.environ.get("ROUNDS", "5")),

@@ -869,13 +869,61 @@ class Communicator:
             return res
         return self._submit("alltoall", run, async_op)
 
-    @_serialized("scatter")
     def scatter(self, x, root=0, algorithm="auto", out=None, async_op=False):
         """Root's x has shape (size, *s); every rank returns its block x[rank] of shape s.
         Other ranks' x is ignored (None is fine): they learn shape and dtype from the root,
         or from their out= (which must then match the root's block)."""
+        if not async_op:
+            res = self._scatter_quick(x, root, algorithm, out)
+            if res is not _MISS:
+                return res
+        self._enter("scatter")
+        try:
+            return self._scatter(x, root, algorithm, out, async_op)
+        finally:
+            self._exit()
+
+    def _scatter_quick(self, x, root, algorithm, out):
+        """scatter's hot case (as ``_quick``): a synchronous call with nothing queued whose
+        arguments need no conversion -- the root's x C-contiguous blocks, a block's header plan
+        made before (so dtype and shape were validated then), out= absent or of the block's
+        shape and dtype -- runs ``_scatter_run`` without the general path's argument handling
+        and closure. ``_MISS`` otherwise. The header exchange is the call's check either way."""
+        if type(root) is not int or not 0 <= root < self.size or self._pending \
+                or self._closed or self._broken is not None:
+            return _MISS
+        inflat = None
+        if self.rank == root:
+            if type(x) is not np.ndarray or not x.flags.c_contiguous or x.ndim == 0 \
+                    or x.shape[0] != self.size:
+                return _MISS
+            dtype, block = x.dtype, x.shape[1:]
+            inflat = x.reshape(-1)
+        elif type(out) is np.ndarray:
+            dtype, block = out.dtype, out.shape
+        elif out is None:
+            dtype = block = None          # the root's header row says
+        else:
+            return _MISS
+        if dtype is not None and (root, algorithm, dtype, block) not in self._scatter_headers:
+            return _MISS
+        res = None
+        if out is not None:
+            if not (type(out) is np.ndarray and out.shape == block and out.dtype == dtype
+                    and out.flags.c_contiguous):
+                return _MISS
+            res = out
+        elif dtype is not None:
+            res = np.empty(block, dtype)
+        self._enter("scatter")
+        try:
+            return self._scatter_run(root, algorithm, dtype, block, inflat, res, out)
+        finally:
+            self._exit()
+
+    def _scatter(self, x, root, algorithm, out, async_op):
         root = self._check_root(root, "scatter")
-        inflat = res = outflat = None
+        inflat = res = None
         if self.rank == root:
             arr, inflat = self._flat_in(x)
             block, dtype = self._blocked(arr, "scatter"), arr.dtype
@@ -888,26 +936,29 @@ class Communicator:
         if block is not None:
             if len(block) > _META_WORDS - 3:      # what _encode_meta refuses, before any message
                 _encode_meta(dtype, block)
-            res, outflat = self._make_out(out, block, dtype, "scatter")
+            res = self._make_out(out, block, dtype, "scatter")[0]
+        return self._submit("scatter", lambda: self._scatter_run(
+            root, algorithm, dtype, block, inflat, res, out), async_op)
 
-        def run():
-            nonlocal res, outflat
-            try:
-                c, dt, count, shape, finish = self._scatter_header(root, algorithm, dtype, block)
-            except CommError as e:
-                self._fail(e)
-            if res is None:
-                res, outflat = self._make_out(out, shape[1:], dt, "scatter")
-            src = (self._separate(inflat, outflat, out) if self.rank == root
-                   else np.empty(0, dtype=outflat.dtype))
-            # the header exchange is this call's argument check (its fingerprints)
-            self._run_call(c, src, outflat, count, shape, fingerprint=False)
-            try:
-                finish()
-            except CommError as e:
-                self._fail(e)
-            return res
-        return self._submit("scatter", run, async_op)
+    def _scatter_run(self, root: int, algorithm, dtype, block, inflat, res, out):
+        """A scatter whose arguments are checked: the header exchange, then the data. ``res``
+        is the result (None: a non-root without out=, which learns the block from the root)."""
+        try:
+            c, dt, count, shape, finish = self._scatter_header(root, algorithm, dtype, block)
+        except CommError as e:
+            self._fail(e)
+        if res is None:
+            res = self._make_out(out, shape[1:], dt, "scatter")[0]
+        outflat = res if res.ndim == 1 else res.reshape(-1)
+        src = (self._separate(inflat, outflat, out) if self.rank == root
+               else np.empty(0, dtype=outflat.dtype))
+        # the header exchange is this call's argument check (its fingerprints)
+        self._run_call(c, src, outflat, count, shape, fingerprint=False)
+        try:
+            finish()
+        except CommError as e:
+            self._fail(e)
+        return res
 
     def _scatter_header(self, root: int, algorithm: Optional[str], dtype, block):
         """Scatter's header exchange, which is also its argument check: every rank sends every

@@ -271,25 +271,28 @@ def test_a_new_link_model_drops_the_scatter_calls_chosen_under_the_old_one():
 
 
 def _repeated_calls(comm):
-    """Every collective with a hot case (Communicator._quick) called again and again with one
-    signature -- the first call validates it, the next ones take the hot case -- with out=
-    absent, given, and aliasing the input, 1-D and blocked inputs, a result only at the root,
-    avg's scaling; each result against numpy. Returns how often the hot case ran."""
+    """Every collective with a hot case (Communicator._quick, _scatter_quick) called again and
+    again with one signature -- the first call validates it, the next ones take the hot case --
+    with out= absent, given, and aliasing the input, 1-D and blocked inputs, a result only at the
+    root, avg's scaling, scatter's non-roots with x=None; each result against numpy. Returns
+    how often the hot case ran."""
     from collective_check import rank_input, reference
     from minicomm import communicator as C
     p, r = comm.size, comm.rank
     taken = []
-    real = comm._quick
 
-    def spy(*a, **k):
-        res = real(*a, **k)
-        taken.append(res is not C._MISS)
-        return res
-    comm._quick = spy
+    def spy(real):
+        def spied(*a, **k):
+            res = real(*a, **k)
+            taken.append(res is not C._MISS)
+            return res
+        return spied
+    comm._quick, comm._scatter_quick = spy(comm._quick), spy(comm._scatter_quick)
     for dtype, op in ((np.float64, "sum"), (np.int32, "max"), (np.float32, "avg")):
         for coll, shape, root in (("broadcast", (7,), p - 1), ("reduce", (7,), p - 1),
                                   ("allgather", (5,), 0), ("gather", (2, 3), 1 % p),
-                                  ("reduce_scatter", (p, 4), 0), ("alltoall", (p, 3), 0)):
+                                  ("reduce_scatter", (p, 4), 0), ("alltoall", (p, 3), 0),
+                                  ("scatter", (p, 2, 2), p - 1)):
             if op == "avg" and coll not in ("reduce", "reduce_scatter"):
                 continue
             for rep in range(3):
@@ -309,8 +312,10 @@ def _repeated_calls(comm):
                             out[r] = inputs[r]
                             x = out[r]
                     kw = {"algorithm": "ring" if rep == 2 else "auto"}
-                    if coll in ("broadcast", "reduce", "gather"):
+                    if coll in ("broadcast", "reduce", "gather", "scatter"):
                         kw["root"] = root
+                    if coll == "scatter" and r != root and rep == 1:
+                        x = None              # ignored off the root: None is fine
                     if coll in ("reduce", "reduce_scatter"):
                         kw["op"] = op
                     got = getattr(comm, coll)(x, out=out, **kw)
