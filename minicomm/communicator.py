@@ -660,6 +660,20 @@ class Communicator:
         finally:
             self._exit()
 
+    def _entry(self, general, args: tuple, name: str, op: str, algorithm, root, x, out,
+               layout: int, root_only: bool = False, async_op: bool = False):
+        """A public collective: its hot case (``_quick``) or else ``general(*args)``, the general
+        path, inside the one-thread-at-a-time guard."""
+        if not async_op:
+            res = self._quick(name, op, algorithm, root, x, out, layout, root_only)
+            if res is not _MISS:
+                return res
+        self._enter(name)
+        try:
+            return general(*args)
+        finally:
+            self._exit()
+
     def _quick(self, name: str, op: str, algorithm, root: int, x, out, layout: int,
                root_only: bool = False):
         """allreduce's hot case for the other collectives: a synchronous call on a C-contiguous
@@ -724,15 +738,8 @@ class Communicator:
         return self._submit("allreduce", run, async_op)
 
     def reduce(self, x, root=0, op="sum", algorithm="auto", out=None, async_op=False):
-        if not async_op:
-            res = self._quick("reduce", op, algorithm, root, x, out, _SAME, root_only=True)
-            if res is not _MISS:
-                return res
-        self._enter("reduce")
-        try:
-            return self._reduce(x, root, op, algorithm, out, async_op)
-        finally:
-            self._exit()
+        return self._entry(self._reduce, (x, root, op, algorithm, out, async_op), "reduce", op,
+                           algorithm, root, x, out, _SAME, root_only=True, async_op=async_op)
 
     def _reduce(self, x, root, op, algorithm, out, async_op):
         op = _ops.normalize(op)
@@ -753,15 +760,8 @@ class Communicator:
         return self._submit("reduce", run, async_op)
 
     def broadcast(self, x, root=0, algorithm="auto", out=None, async_op=False):
-        if not async_op:
-            res = self._quick("broadcast", "none", algorithm, root, x, out, _SAME)
-            if res is not _MISS:
-                return res
-        self._enter("broadcast")
-        try:
-            return self._broadcast(x, root, algorithm, out, async_op)
-        finally:
-            self._exit()
+        return self._entry(self._broadcast, (x, root, algorithm, out, async_op), "broadcast",
+                           "none", algorithm, root, x, out, _SAME, async_op=async_op)
 
     def _broadcast(self, x, root, algorithm, out, async_op):
         root = self._check_root(root, "broadcast")
@@ -775,15 +775,8 @@ class Communicator:
         return self._submit("broadcast", run, async_op)
 
     def allgather(self, x, algorithm="auto", out=None, async_op=False):
-        if not async_op:
-            res = self._quick("allgather", "none", algorithm, 0, x, out, _STACKED)
-            if res is not _MISS:
-                return res
-        self._enter("allgather")
-        try:
-            return self._allgather(x, algorithm, out, async_op)
-        finally:
-            self._exit()
+        return self._entry(self._allgather, (x, algorithm, out, async_op), "allgather", "none",
+                           algorithm, 0, x, out, _STACKED, async_op=async_op)
 
     def _allgather(self, x, algorithm, out, async_op):
         arr, inflat = self._flat_in(x)
@@ -796,15 +789,8 @@ class Communicator:
         return self._submit("allgather", run, async_op)
 
     def gather(self, x, root=0, algorithm="auto", out=None, async_op=False):
-        if not async_op:
-            res = self._quick("gather", "none", algorithm, root, x, out, _STACKED, root_only=True)
-            if res is not _MISS:
-                return res
-        self._enter("gather")
-        try:
-            return self._gather(x, root, algorithm, out, async_op)
-        finally:
-            self._exit()
+        return self._entry(self._gather, (x, root, algorithm, out, async_op), "gather", "none",
+                           algorithm, root, x, out, _STACKED, root_only=True, async_op=async_op)
 
     def _gather(self, x, root, algorithm, out, async_op):
         root = self._check_root(root, "gather")
@@ -821,15 +807,8 @@ class Communicator:
         return self._submit("gather", run, async_op)
 
     def reduce_scatter(self, x, op="sum", algorithm="auto", out=None, async_op=False):
-        if not async_op:
-            res = self._quick("reduce_scatter", op, algorithm, 0, x, out, _BLOCKS)
-            if res is not _MISS:
-                return res
-        self._enter("reduce_scatter")
-        try:
-            return self._reduce_scatter(x, op, algorithm, out, async_op)
-        finally:
-            self._exit()
+        return self._entry(self._reduce_scatter, (x, op, algorithm, out, async_op),
+                           "reduce_scatter", op, algorithm, 0, x, out, _BLOCKS, async_op=async_op)
 
     def _reduce_scatter(self, x, op, algorithm, out, async_op):
         op = _ops.normalize(op)
@@ -847,15 +826,8 @@ class Communicator:
         return self._submit("reduce_scatter", run, async_op)
 
     def alltoall(self, x, algorithm="auto", out=None, async_op=False):
-        if not async_op:
-            res = self._quick("alltoall", "none", algorithm, 0, x, out, _ALL_BLOCKS)
-            if res is not _MISS:
-                return res
-        self._enter("alltoall")
-        try:
-            return self._alltoall(x, algorithm, out, async_op)
-        finally:
-            self._exit()
+        return self._entry(self._alltoall, (x, algorithm, out, async_op), "alltoall", "none",
+                           algorithm, 0, x, out, _ALL_BLOCKS, async_op=async_op)
 
     def _alltoall(self, x, algorithm, out, async_op):
         arr, inflat = self._flat_in(x)
