@@ -90,10 +90,11 @@ use (cached, at most ``_REG_MAPS``) and copies -- or reduces -- straight from th
 into the destination: one memcpy, no system call, for every call including reducing ones. A
 message of up to a chunk takes the ring as one record, registered or not: the small path moves
 it with no request and no wait for the receiver's read, which measured faster than the
-descriptor's one copy (examples/registered_ab.py, registered buffers both ways, interleaved in
-one job; ring time / descriptor time per collective: n=2 256 KiB calls 0.46-0.72, 1 MiB
-0.62-0.96; n=4 1 MiB 0.67-1.04; and above a chunk the descriptor wins: n=2 4 MiB 1.01-2.50,
-n=4 4 MiB 1.06-2.07 but for allgather, whose 1 MiB messages measured 0.75). The segment's
+descriptor's one copy (registered buffers both ways, the descriptor switched on and off between
+rounds of one job; ring time / descriptor time per collective: n=2 256 KiB calls 0.46-0.72,
+1 MiB 0.62-0.96; n=4 1 MiB 0.67-1.04; above a chunk the descriptor won: n=2 4 MiB calls
+1.01-2.50, n=4 1.06-2.07, where allgather's 1 MiB messages, on the ring by this rule, measured
+0.75; examples/registered_ab.py times registered against plain buffers). The segment's
 name stays in /dev/shm while it is registered (peers map it lazily), and goes on ``free_memory``,
 close, exit and the launcher's sweep (the names match ``minicomm-<job>-*``); the pages live
 until the last mapping goes. ``describe_copies()`` names the peers of each kind and why (logged at setup
