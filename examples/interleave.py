@@ -1,7 +1,7 @@
-"""What the A/B examples (small_path_ab.py, registered_ab.py, hot_case_ab.py) share: one call of
-every collective on given buffers, and the timing loop -- every case under every mode,
-interleaved round by round in the same processes, so drift on a shared machine hits all alike;
-the barriers make the loop's time the slowest rank's."""
+"""What the A/B examples (small_path_ab.py, registered_ab.py, hot_case_ab.py,
+scatter_header_ab.py) share: one call of every collective on given buffers, and the timing
+loop -- every case under every mode, interleaved round by round in the same processes, so drift
+on a shared machine hits all alike; the barriers make the loop's time the slowest rank's."""
 import statistics
 import time
 

@@ -1,9 +1,8 @@
 """Scatter's header exchange, A/B inside one job: ``comm.scatter`` (one exchange of header rows
 that is also the call's argument check, then the data) against the protocol it replaced (a
 rooted shape/dtype broadcast, itself fingerprint-checked, then the data), interleaved round by
-round in the same processes, so drift on a shared machine hits both alike. Prints rank 0's
-median time per call (slowest rank) of each and their ratio, with and without out= at the
-non-roots.
+round in the same processes (interleave.py). Prints rank 0's median time per call of each and
+their ratio (old / new), with and without out= at the non-roots.
 
     minicomm run -n 2 examples/scatter_header_ab.py          # ROUNDS=7 by default
     minicomm run -n 4 examples/scatter_header_ab.py
@@ -12,10 +11,9 @@ The old protocol is rebuilt here from the communicator's parts (its broadcast ru
 broadcast's own call code instead of "scatter:meta"; the messages and their sizes are the same).
 """
 import os
-import statistics
-import time
 
 import numpy as np
+from interleave import interleaved, report
 
 import minicomm as mc
 from minicomm.communicator import _META_WORDS, _decode_meta, _encode_meta
@@ -46,25 +44,13 @@ def main():
         x = np.ones((p, count), np.float32) if r == 0 else None
         for with_out in (True, False):
             out = np.empty(count, np.float32) if with_out else None
-            cases = {"broadcast, then data": lambda: broadcast_then_scatter(comm, x, 0, out),
-                     "header exchange": lambda: comm.scatter(x, root=0, out=out)}
-            calls = 200 if nbytes >= 1 << 20 else 1000
-            times = {name: [] for name in cases}
-            for _ in range(int(os.environ.get("ROUNDS", "7"))):
-                for name, call in cases.items():
-                    for _ in range(5):
-                        call()
-                    comm.barrier()
-                    t0 = time.perf_counter()
-                    for _ in range(calls):
-                        call()
-                    mine = np.array([(time.perf_counter() - t0) / calls * 1e6])
-                    times[name].append(float(comm.allreduce(mine, op="max")[0]))
-            if r == 0:
-                old, new = (statistics.median(v) for v in times.values())
-                print(f"n={p} scatter {nbytes:>8} B, out={'yes' if with_out else 'no '}: "
-                      f"broadcast then data {old:7.1f} us, header exchange {new:7.1f} us, "
-                      f"x{old / new:.2f}", flush=True)
+            modes = {"broadcast-then-data": lambda: {
+                         "scatter": lambda: broadcast_then_scatter(comm, x, 0, out)},
+                     "header-exchange": lambda: {
+                         "scatter": lambda: comm.scatter(x, root=0, out=out)}}
+            medians = interleaved(comm, modes, {}, int(os.environ.get("ROUNDS", "7")),
+                                  200 if nbytes >= 1 << 20 else 1000, warmup=5)
+            report(comm, f"{nbytes} B out={'yes' if with_out else 'no'}", medians, modes)
     comm.close()
 
 
