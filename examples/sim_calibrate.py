@@ -160,6 +160,26 @@ def print_table(raw):
             print(f"# {name:>10}: {len(sub):3d} rows, geometric-mean error "
                   f"{100 * cal.geomean_error(sub):.1f}% (exp mean |ln(pred/meas)| - 1; vs the "
                   f"fastest batch)")
+    print_picks(cal.pick_rows(cells))
+
+
+def print_picks(picks):
+    """auto's picks on the same runs: what the cost model chooses against what ran fastest."""
+    print("# auto's pick (cost.model_choice on each cell's fitted link, no tuned table) against "
+          "the fastest family, by the median over rounds of each round's median batch; regret "
+          "= pick's time / best time")
+    print(f"{'transport':>9} {'n':>2} {'collective':>10} {'size':>7} {'pick':>5} {'best':>5} "
+          f"{'regret':>7}")
+    for p in picks:
+        print(f"{p['transport']:>9} {p['ranks']:>2} {p['collective']:>10} "
+              f"{p['bytes'] >> 10:>6}K {p['pick']:>5} {p['best']:>5} {p['regret']:>7.2f}")
+    worst = max(picks, key=lambda p: p["regret"])
+    print(f"# picks: {len(picks)}; the fastest family picked in "
+          f"{sum(p['pick'] == p['best'] for p in picks)}; regret above 1.10 in "
+          f"{sum(p['regret'] > 1.10 for p in picks)}; geometric-mean regret "
+          f"{cal.geomean_regret(picks):.3f}; worst {worst['regret']:.2f} ({worst['transport']} "
+          f"n={worst['ranks']} {worst['collective']} {worst['bytes'] >> 10}K: {worst['pick']} "
+          f"picked, {worst['best']} fastest)")
 
 
 def main():

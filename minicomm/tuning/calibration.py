@@ -246,3 +246,41 @@ def geomean_error(rows: Iterable[Dict[str, Any]]) -> float:
     if not logs:
         raise ValueError("no rows")
     return math.exp(sum(logs) / len(logs)) - 1
+
+
+# ---------------------------------------------------------------------------------- auto's picks
+def pick_rows(cells: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """What ``algorithm="auto"`` would have picked on the recorded runs, against what was
+    fastest there: per cell (transport, world size), collective and size, the cost model's
+    family (``cost.model_choice`` on the cell's fitted LinkModel, as a world without a tuned
+    table chooses) and the measured best of the recorded families. The estimator here is the
+    median over rounds of each round's median batch: a pick is judged by what a user's calls
+    usually take, not by one lucky batch. ``regret`` = measured(pick) / measured(best) >= 1."""
+    out = []
+    for cell in cells:
+        m = run_model(cell)
+        n = int(cell["ranks"])
+        by_case: Dict[Tuple[str, int], Dict[str, Dict[str, Any]]] = {}
+        for r in cell["rows"]:
+            if r["algo"] in cost.FAMILIES:
+                by_case.setdefault((r["collective"], int(r["size"])), {})[r["algo"]] = r
+        for (coll, size), fams in sorted(by_case.items()):
+            med = {a: statistics_median(r["medians_us"]) * 1e-6 for a, r in fams.items()}
+            count = int(next(iter(fams.values()))["count"])
+            pick = cost.model_choice(coll, n, count * cost.ITEMSIZE, (0,) * n, m)
+            best = min(med, key=med.get)
+            if pick not in med:
+                raise ValueError(f"{cell['transport']} n={n} {coll} {size} B: auto picks "
+                                 f"{pick}, which the run did not measure")
+            out.append({"transport": cell["transport"], "ranks": n, "collective": coll,
+                        "bytes": size, "pick": pick, "best": best, "median_s": med,
+                        "regret": med[pick] / med[best]})
+    return out
+
+
+def geomean_regret(picks: Iterable[Dict[str, Any]]) -> float:
+    """exp(mean ln(regret)): 1.0 when every pick was the fastest."""
+    logs = [math.log(p["regret"]) for p in picks]
+    if not logs:
+        raise ValueError("no picks")
+    return math.exp(sum(logs) / len(logs))
