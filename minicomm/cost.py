@@ -21,6 +21,8 @@ How auto picks a family for (collective, world size p, message bytes, topology):
    schedules on the LinkModel's network (``fabric_time``: α, 1/β per link class, one NIC per
    node, γ, δ), once per size class, cached. The closed forms ``flat_cost`` / ``hier_cost``
    (Thakur, Rabenseifner, Gropp 2005) are references only: auto never calls them.
+   Families priced within ``NEAR`` of the cheapest (p <= ``SIM_MAX_RANKS``) are told apart by
+   their messages: the one whose busiest rank sends or receives the fewest wins (``model_choice``).
 
 The simulator (``schedule_time`` / ``simulate``) is the simulator engine's (minicomm.sim.engine,
 the same engine ``minicomm sim`` runs clusters on): the schedules are compiled by it and run on
@@ -104,6 +106,15 @@ WAKE = 60e-6          # extra latency of a message to a rank asleep in the kerne
 
 ITEMSIZE = 4               # auto sees bytes; schedules are built with float32-sized elements
 SIM_MAX_RANKS = 16         # simulate up to this many ranks (a few ms per new size), formulas above
+# Families whose prices are this close to the cheapest count as tied, and the tie goes to the one
+# with the fewest messages at its busiest rank. Why: the model's per-message CPU (o) is fitted to
+# 8-byte calls, and a large record costs more than that (a 128 KiB one 5-10 us of CPU per side on
+# the 2-core VM, against an o of 1.4 us), so where two families differ by less than that error
+# the one with fewer messages is the safer pick. Measured: on the recorded calibration runs
+# (tuning.calibration.pick_rows) the regret is 1.045 either way; on 49 newer interleaved cases,
+# 1.062 -> 1.040, chiefly n=2 broadcast from 256 KiB, where one record (tree) beat eight
+# segments (ring) by 1.5x while the model put them within 3-4%.
+NEAR = 0.05
 # A receiver sees a message piece by piece: shm publishes records of up to 1 MiB (transports/
 # shm.py CHUNK), a socket delivers what has arrived.
 PIPELINE_CHUNK = {"shm": 1 << 20}
@@ -201,8 +212,27 @@ def table_choice(m: LinkModel, collective: str, p: int, nbytes: int,
 
 def model_choice(collective: str, p: int, nbytes: int, topology: Tuple[int, ...],
                  m: LinkModel) -> str:
+    """The cheapest family by ``model_costs``; among those within ``NEAR`` of it (p <=
+    ``SIM_MAX_RANKS``), the one with the fewest messages at its busiest rank."""
     costs = model_costs(collective, p, nbytes, topology, m)
-    return min(costs, key=lambda f: (costs[f], FAMILIES.index(f)))
+    cheapest = min(costs.values())
+    near = [f for f in costs if costs[f] <= cheapest * (1 + NEAR)]
+    if len(near) == 1 or p > SIM_MAX_RANKS:
+        return min(costs, key=lambda f: (costs[f], FAMILIES.index(f)))
+    count = nbytes // ITEMSIZE
+    return min(near, key=lambda f: (busiest_messages(collective, f, p, count, topology),
+                                    costs[f], FAMILIES.index(f)))
+
+
+def busiest_messages(collective: str, fam: str, p: int, count: int,
+                     topology: Tuple[int, ...]) -> int:
+    """Messages sent or received (whichever is more) by the rank that has the most, in one
+    call of ``fam``'s schedules (the engine's compiled program, cached by the engine)."""
+    prog = engine.program_for(collective, fam, p, count, 0, tuple(topology))
+    if not len(prog.msg_src):
+        return 0
+    return int(max(np.bincount(prog.msg_src, minlength=p).max(),
+                   np.bincount(prog.msg_dst, minlength=p).max()))
 
 
 def model_costs(collective: str, p: int, nbytes: int, topology: Tuple[int, ...],

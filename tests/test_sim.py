@@ -624,6 +624,26 @@ def test_auto_prices_every_schedule_through_the_engine(monkeypatch, p):
     assert len(runs) == len(real)                # the second call is the cached choice
 
 
+def test_near_tie_goes_to_the_family_with_fewer_messages(monkeypatch):
+    """Families priced within NEAR of the cheapest are tied, and the tie goes to the fewest
+    messages at the busiest rank (n=2 broadcast of 1 MiB: ring's 8 segments against tree's one
+    record); a family cheaper by more than NEAR wins on price alone."""
+    from minicomm import cost
+    count = (1 << 20) // cost.ITEMSIZE
+    assert cost.busiest_messages("broadcast", "ring", 2, count, (0, 0)) == 8
+    assert cost.busiest_messages("broadcast", "tree", 2, count, (0, 0)) == 1
+    assert cost.busiest_messages("allreduce", "ring", 4, 1024, (0,) * 4) == 6
+    m = cost.LinkModel.for_transports("shm", "tcp", cores=2)
+    prices = {}
+    monkeypatch.setattr(cost, "model_costs", lambda *a: dict(prices))
+    prices.update(ring=1.00, tree=1.00 + cost.NEAR * 0.8, rhd=2.0)
+    assert cost.model_choice("broadcast", 2, 1 << 20, (0, 0), m) == "tree"
+    prices.update(ring=1.00, tree=1.00 + cost.NEAR * 1.2, rhd=2.0)
+    assert cost.model_choice("broadcast", 2, 1 << 20, (0, 0), m) == "ring"
+    prices.update(ring=1.02, tree=1.00, rhd=1.01)     # all tied: fewest messages, then price
+    assert cost.model_choice("broadcast", 2, 1 << 20, (0, 0), m) == "tree"
+
+
 def test_large_world_prices_are_cached_per_size_class():
     """Above SIM_MAX_RANKS the engine runs once per (collective, family, size class): sizes
     within a class share the price; the class is within 10% of the size."""
