@@ -241,9 +241,11 @@ def _thresholds(comm, marker):
     p2p_reads = t.received_single_copy["cma"]
     chosen = t._peer(1 - comm.rank).cma_min        # what rank 1's probe chose for rank 0's sends
     chosen = int(comm.broadcast(np.array([chosen]), root=0)[0])
-    below = comm.broadcast(np.full(chosen - 8, comm.rank + 1, dtype=np.uint8), root=0)
+    # tree: one message of the whole size (auto may pick ring, whose segments are smaller)
+    below = comm.broadcast(np.full(chosen - 8, comm.rank + 1, dtype=np.uint8), root=0,
+                           algorithm="tree")
     ring_reads = t.received_single_copy["cma"]
-    y = comm.broadcast(np.full(chosen, comm.rank + 1, dtype=np.uint8), root=0)
+    y = comm.broadcast(np.full(chosen, comm.rank + 1, dtype=np.uint8), root=0, algorithm="tree")
     assert np.array_equal(y, np.ones(chosen, dtype=np.uint8)) and (below == 1).all()
     return chosen, p2p_reads, ring_reads, t.received_single_copy["cma"]
 
