@@ -215,10 +215,10 @@ def model_choice(collective: str, p: int, nbytes: int, topology: Tuple[int, ...]
     """The cheapest family by ``model_costs``; among those within ``NEAR`` of it (p <=
     ``SIM_MAX_RANKS``), the one with the fewest messages at its busiest rank."""
     costs = model_costs(collective, p, nbytes, topology, m)
-    cheapest = min(costs.values())
-    near = [f for f in costs if costs[f] <= cheapest * (1 + NEAR)]
+    best = min(costs, key=lambda f: (costs[f], FAMILIES.index(f)))
+    near = [f for f in costs if costs[f] <= costs[best] * (1 + NEAR)]
     if len(near) == 1 or p > SIM_MAX_RANKS:
-        return min(costs, key=lambda f: (costs[f], FAMILIES.index(f)))
+        return best
     count = nbytes // ITEMSIZE
     return min(near, key=lambda f: (busiest_messages(collective, f, p, count, topology),
                                     costs[f], FAMILIES.index(f)))

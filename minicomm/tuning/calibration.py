@@ -241,11 +241,14 @@ def statistics_median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 
 
+def _geomean(values: Sequence[float], what: str) -> float:
+    if not values:
+        raise ValueError(f"no {what}")
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
 def geomean_error(rows: Iterable[Dict[str, Any]]) -> float:
-    logs = [abs(math.log(1 + r["error"])) for r in rows]
-    if not logs:
-        raise ValueError("no rows")
-    return math.exp(sum(logs) / len(logs)) - 1
+    return _geomean([math.exp(abs(math.log(1 + r["error"]))) for r in rows], "rows") - 1
 
 
 # ---------------------------------------------------------------------------------- auto's picks
@@ -280,7 +283,4 @@ def pick_rows(cells: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 def geomean_regret(picks: Iterable[Dict[str, Any]]) -> float:
     """exp(mean ln(regret)): 1.0 when every pick was the fastest."""
-    logs = [math.log(p["regret"]) for p in picks]
-    if not logs:
-        raise ValueError("no picks")
-    return math.exp(sum(logs) / len(logs))
+    return _geomean([p["regret"] for p in picks], "picks")
