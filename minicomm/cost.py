@@ -36,7 +36,8 @@ reduces straight out of the landing memory), the last piece no earlier than the 
 in. FIFO matching per pair. A waiting rank spins for the model's ``spin``, then sleeps: the
 message that wakes it costs ``wake`` more when the rank has a core to itself (an idle core must be
 woken). A node's ranks share its ``cores`` (processor sharing among working and spinning ranks,
-at the busiest core's pace: 3 ranks on 2 cores run two to a core; work on a shared core is
+at the busiest core's pace for a piece of work shorter than ``BALANCE_S``: 3 ranks on 2 cores
+run two to a core; a longer one at the fair share, 2/3 of a core each; work on a shared core is
 ``SHARING_LOSS`` less efficient; k ranks working at once slow each other down by
 1 + contention·(k-1): shared memory bandwidth, or virtual CPUs that are not independent), so an
 algorithm that keeps few ranks busy at once (tree) is costed as it runs; ``background``
@@ -138,6 +139,14 @@ STREAM_CHUNK = 64 << 10
 # slicing costs switches and cache refills. Fitted on the 2-core reference box (4 ranks on 2
 # cores: any value in 0.5..2 makes the model pick the measured best); not measured at start.
 SHARING_LOSS = 1.0
+# Where a node's busy ranks do not divide evenly among its cores (3 on 2), a piece of work
+# shorter than this runs at the busiest core's pace (two ranks to a core), a longer one at the
+# fair share (3 on 2: 2/3 of a core each): over a long copy the kernel moves ranks between cores.
+# Fitted on the recorded calibration runs (tuning.calibration; examples/sim_calibrate.py): with
+# the busiest core's pace for all work, error 28.5% and auto's regret 1.045 (9 picks above
+# 1.10); with the fair share for all, 30.5% (29.4% -> 41.8% below 1 MiB) and 1.014 (1); with
+# this split anywhere from 25 us to 1 ms, 26.3-26.6% and 1.023-1.033 (4-7).
+BALANCE_S = 50e-6
 
 TableKey = Tuple[str, int, Tuple[int, ...], str, str]   # collective, world, topology, intra, inter
 
@@ -307,7 +316,7 @@ def host_model(m: LinkModel, working_set: float = 0.0) -> HostModel:
                      PIPELINE_CHUNK.get(m.inter, STREAM_CHUNK)),
             gamma=gamma, delta=delta, wake=m.wake, contention=contention, cores=m.cores,
             spin=m.spin, spin_rate=SPIN_BYTES_PER_S if m.spin else 0.0, spin_max=SPIN_MAX_S,
-            sharing_loss=SHARING_LOSS, call_overhead=m.call_overhead,
+            sharing_loss=SHARING_LOSS, balance=BALANCE_S, call_overhead=m.call_overhead,
             background=m.background, exec_overhead=m.exec_overhead,
             single_min=m.single_copy if m.intra in COPY_TRANSPORTS else 0,
             single_beta=delta)

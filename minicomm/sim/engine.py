@@ -710,6 +710,8 @@ class HostModel:
     spin_rate: float = 0.0  # ... or, with a core to itself, as long as the largest message it
     spin_max: float = 0.0   # waits for takes at this many bytes/s, at most spin_max (0: spin)
     sharing_loss: float = 1.0   # work on a shared core runs at share / (1 + loss (1 - share))
+    balance: float = math.inf   # a piece of work this long (CPU s) runs at the cores' fair
+                                # share, a shorter one at the busiest core's pace (run_host)
     call_overhead: float = 0.0  # CPU of a rank at the start of every call (argument checks,
                                 # plan lookup, sequence tags: the communicator's Python)
     background: float = 0.0     # runnable threads besides the ranks, per rank of a node (its
@@ -737,8 +739,9 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
     earlier than the sender copied it in. A waiting rank spins for ``spin``, then sleeps: the
     message that wakes it costs ``wake`` more when the rank has a core to itself (such a rank
     spins longer for a large message: its bytes at ``spin_rate``, up to ``spin_max``). A node's ranks
-    share its ``cores`` (processor sharing among working and spinning ranks at the busiest
-    core's pace, ceil(ranks / cores) to a core; work on a shared core is ``sharing_loss`` less
+    share its ``cores`` (processor sharing among working and spinning ranks: a piece of work
+    shorter than ``balance`` at the busiest core's pace, ceil(ranks / cores) to a core, a longer
+    one at the fair share, ranks / cores; work on a shared core is ``sharing_loss`` less
     efficient; k ranks working at once slow each other down by 1 + contention (k - 1));
     ``background`` other runnable threads per rank share the cores too (a loaded machine). Every call (``prog.calls`` of them back to back) costs each rank
     ``call_overhead`` of CPU at its start; ``executor``: the call runs through the executor,
@@ -789,6 +792,7 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
     todo: List[List[Tuple[str, Any, Any]]] = [[] for _ in range(p)]
     recvs: List[List[int]] = [[] for _ in range(p)]       # message ids, in op order
     cpu = [0.0] * p
+    piece = [0.0] * p                    # CPU length of the work item in progress
     mark: List[Any] = [None] * p
     waiting: List[Any] = [None] * p     # None, ("first", None): any receive, ("last", message)
     wait_since = [0.0] * p
@@ -835,7 +839,8 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
                 kind, what, stamp = todo[r].pop(0)
                 if kind == "cpu":
                     if what > 0:
-                        cpu[r], mark[r] = what, stamp
+                        cpu[r] = piece[r] = what
+                        mark[r] = stamp
                         return
                     finish(stamp)
                     continue
@@ -923,21 +928,26 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
                 busy[node_of[r]] += 1
             elif wake_at[r] is None and now - wait_since[r] <= spin_of[r]:
                 busy[node_of[r]] += 1
-        rate = {}
+        pinned, spread = {}, {}
         for n in nodes:
-            # the ranks' pace is the busiest core's: ceil(busy / cores) ranks time-slice it
-            # (the scheduler places whole processes; 3 ranks on 2 cores run two to a core),
-            # and other runnable threads take their share of every core
-            share = min(1.0, 1.0 / (-(-busy[n] // cores[n]) + hm.background * nodes[n]
-                                    / cores[n])) if busy[n] else 1.0
-            rate[n] = share / (1 + hm.sharing_loss * (1 - share)) \
-                / (1 + hm.contention * max(0, min(working[n], cores[n]) - 1))
+            # A short piece of work runs at the busiest core's pace: ceil(busy / cores) ranks
+            # time-slice it (the scheduler places whole processes; 3 ranks on 2 cores run two
+            # to a core). A long one at the fair share, busy / cores to a core: over its length
+            # the kernel moves the ranks between cores (wake-up placement, load balancing).
+            # Other runnable threads take their share of every core either way.
+            slow = 1 + hm.contention * max(0, min(working[n], cores[n]) - 1)
+            others = hm.background * nodes[n] / cores[n]
+            for rates, per_core in ((pinned, -(-busy[n] // cores[n])),
+                                    (spread, busy[n] / cores[n])):
+                share = min(1.0, 1.0 / (per_core + others)) if busy[n] else 1.0
+                rates[n] = share / (1 + hm.sharing_loss * (1 - share)) / slow
+        rate = [(spread if piece[r] >= hm.balance else pinned)[node_of[r]] for r in range(p)]
         nxt = math.inf
         for r in range(p):
             if done[r]:
                 continue
             if waiting[r] is None:
-                nxt = min(nxt, now + cpu[r] / rate[node_of[r]])
+                nxt = min(nxt, now + cpu[r] / rate[r])
                 continue
             if wake_at[r] is not None:
                 nxt = min(nxt, wake_at[r])
@@ -953,7 +963,7 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
                                 f"are never sent")
         for r in range(p):
             if not done[r] and waiting[r] is None:
-                cpu[r] -= (nxt - now) * rate[node_of[r]]
+                cpu[r] -= (nxt - now) * rate[r]
         now = nxt
         for r in range(p):
             if not done[r] and waiting[r] is None and cpu[r] <= 1e-15:
