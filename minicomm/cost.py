@@ -139,6 +139,15 @@ STREAM_CHUNK = 64 << 10
 # slicing costs switches and cache refills. Fitted on the 2-core reference box (4 ranks on 2
 # cores: any value in 0.5..2 makes the model pick the measured best); not measured at start.
 SHARING_LOSS = 1.0
+# Part of that loss is cache refills, which a working set that runs from DRAM anyway does not
+# pay: with a measured memory table the loss falls linearly with δ(working set) from
+# SHARING_LOSS where copies run at cache speed (the table's fastest δ) to SHARING_LOSS *
+# SHARING_LOSS_DRAM at the table's largest working set (sharing_loss_at). Fitted with
+# BALANCE_S below: on the recorded calibration runs error 26.3% -> 25.9% and regret 1.023 ->
+# 1.026 (4 -> 5 picks above 1.10); on 48 newer interleaved cases regret 1.040 -> 1.028 (6 -> 4),
+# chiefly the n=4 reduce_scatter at 16-64 MiB (tree picked, 1.17-1.51 slower than ring or rhd).
+# 0 gives 28.3% / 1.029 / 1.029; 0.75 leaves those picks as they were.
+SHARING_LOSS_DRAM = 0.5
 # Where a node's busy ranks do not divide evenly among its cores (3 on 2), a piece of work
 # shorter than this runs at the busiest core's pace (two ranks to a core), a longer one at the
 # fair share (3 on 2: 2/3 of a core each): over a long copy the kernel moves ranks between cores.
@@ -287,6 +296,18 @@ def memory_at(m: LinkModel, working_set: float) -> Tuple[float, float, float]:
 COPY_TRANSPORTS = ("shm",)
 
 
+def sharing_loss_at(m: LinkModel, working_set: float) -> float:
+    """The sharing loss of a call touching ``working_set`` bytes per buffer (SHARING_LOSS_DRAM)."""
+    if not m.memory:
+        return SHARING_LOSS
+    fastest = min(r[1] for r in m.memory)
+    dram = m.memory[-1][1]
+    if dram <= fastest:
+        return SHARING_LOSS
+    cached = min(1.0, max(0.0, (dram - memory_at(m, working_set)[0]) / (dram - fastest)))
+    return SHARING_LOSS * (SHARING_LOSS_DRAM + (1 - SHARING_LOSS_DRAM) * cached)
+
+
 def host_model(m: LinkModel, working_set: float = 0.0) -> HostModel:
     """The simulator engine's machine for a LinkModel: ranks are processes on their node's cores
     (minicomm.sim.engine.run_host), with this model's α, β, o per link class, γ, δ, wake,
@@ -316,7 +337,7 @@ def host_model(m: LinkModel, working_set: float = 0.0) -> HostModel:
                      PIPELINE_CHUNK.get(m.inter, STREAM_CHUNK)),
             gamma=gamma, delta=delta, wake=m.wake, contention=contention, cores=m.cores,
             spin=m.spin, spin_rate=SPIN_BYTES_PER_S if m.spin else 0.0, spin_max=SPIN_MAX_S,
-            sharing_loss=SHARING_LOSS, balance=BALANCE_S, call_overhead=m.call_overhead,
+            sharing_loss=sharing_loss_at(m, working_set), balance=BALANCE_S, call_overhead=m.call_overhead,
             background=m.background, exec_overhead=m.exec_overhead,
             single_min=m.single_copy if m.intra in COPY_TRANSPORTS else 0,
             single_beta=delta)
