@@ -146,7 +146,7 @@ SHARING_LOSS = 1.0
 # BALANCE_S below: on the recorded calibration runs error 26.3% -> 25.9% and regret 1.023 ->
 # 1.026 (4 -> 5 picks above 1.10); on 48 newer interleaved cases regret 1.040 -> 1.028 (6 -> 4),
 # chiefly the n=4 reduce_scatter at 16-64 MiB (tree picked, 1.17-1.51 slower than ring or rhd).
-# 0 gives 28.3% / 1.029 / 1.029; 0.75 leaves those picks as they were.
+# With 0: error 28.3%, regrets 1.029 and 1.029; with 0.75 those picks stay as they were.
 SHARING_LOSS_DRAM = 0.5
 # Where a node's busy ranks do not divide evenly among its cores (3 on 2), a piece of work
 # shorter than this runs at the busiest core's pace (two ranks to a core), a longer one at the
@@ -311,8 +311,8 @@ def sharing_loss_at(m: LinkModel, working_set: float) -> float:
 def host_model(m: LinkModel, working_set: float = 0.0) -> HostModel:
     """The simulator engine's machine for a LinkModel: ranks are processes on their node's cores
     (minicomm.sim.engine.run_host), with this model's α, β, o per link class, γ, δ, wake,
-    contention, cores and spin. With a measured memory table (``LinkModel.memory``) δ, γ and
-    contention are those of the call's working set, and a copying transport's β is its two
+    contention, cores and spin. With a measured memory table (``LinkModel.memory``) δ, γ,
+    contention and the sharing loss (``sharing_loss_at``) are those of the call's working set, and a copying transport's β is its two
     copies (``COPY_TRANSPORTS``: copy-in by the sender, copy-out by the receiver, each between
     the user's buffer and the cache-resident ring: δ(working set) + δ(ring))."""
     key = (m, working_set if m.memory else 0.0)
@@ -337,7 +337,8 @@ def host_model(m: LinkModel, working_set: float = 0.0) -> HostModel:
                      PIPELINE_CHUNK.get(m.inter, STREAM_CHUNK)),
             gamma=gamma, delta=delta, wake=m.wake, contention=contention, cores=m.cores,
             spin=m.spin, spin_rate=SPIN_BYTES_PER_S if m.spin else 0.0, spin_max=SPIN_MAX_S,
-            sharing_loss=sharing_loss_at(m, working_set), balance=BALANCE_S, call_overhead=m.call_overhead,
+            sharing_loss=sharing_loss_at(m, working_set), balance=BALANCE_S,
+            call_overhead=m.call_overhead,
             background=m.background, exec_overhead=m.exec_overhead,
             single_min=m.single_copy if m.intra in COPY_TRANSPORTS else 0,
             single_beta=delta)
