@@ -312,9 +312,10 @@ def host_model(m: LinkModel, working_set: float = 0.0) -> HostModel:
     """The simulator engine's machine for a LinkModel: ranks are processes on their node's cores
     (minicomm.sim.engine.run_host), with this model's α, β, o per link class, γ, δ, wake,
     contention, cores and spin. With a measured memory table (``LinkModel.memory``) δ, γ,
-    contention and the sharing loss (``sharing_loss_at``) are those of the call's working set, and a copying transport's β is its two
-    copies (``COPY_TRANSPORTS``: copy-in by the sender, copy-out by the receiver, each between
-    the user's buffer and the cache-resident ring: δ(working set) + δ(ring))."""
+    contention and the sharing loss (``sharing_loss_at``) are those of the call's working set,
+    and a copying transport's β is its two copies (``COPY_TRANSPORTS``: copy-in by the sender,
+    copy-out by the receiver, each between the user's buffer and the cache-resident ring:
+    δ(working set) + δ(ring))."""
     key = (m, working_set if m.memory else 0.0)
     hm = _host_models.get(key)
     if hm is None:
