@@ -241,14 +241,15 @@ def statistics_median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 
 
-def _geomean(values: Sequence[float], what: str) -> float:
-    if not values:
+def _exp_mean(logs: Sequence[float], what: str) -> float:
+    """exp(mean of ``logs``): the geometric mean of the values they are the logarithms of."""
+    if not logs:
         raise ValueError(f"no {what}")
-    return math.exp(sum(math.log(v) for v in values) / len(values))
+    return math.exp(sum(logs) / len(logs))
 
 
 def geomean_error(rows: Iterable[Dict[str, Any]]) -> float:
-    return _geomean([math.exp(abs(math.log(1 + r["error"]))) for r in rows], "rows") - 1
+    return _exp_mean([abs(math.log(1 + r["error"])) for r in rows], "rows") - 1
 
 
 # ---------------------------------------------------------------------------------- auto's picks
@@ -283,4 +284,4 @@ def pick_rows(cells: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 def geomean_regret(picks: Iterable[Dict[str, Any]]) -> float:
     """exp(mean ln(regret)): 1.0 when every pick was the fastest."""
-    return _geomean([p["regret"] for p in picks], "picks")
+    return _exp_mean([math.log(p["regret"]) for p in picks], "picks")
