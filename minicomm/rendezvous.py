@@ -815,14 +815,19 @@ _RETRY_ERRORS = (BlockingIOError, ConnectionRefusedError, FileNotFoundError, Int
 
 
 def dial_peer(family: int, address, token: bytes, my_rank: int, peer: int,
-              deadline: float) -> socket.socket:
+              deadline: float, refused_is_final: bool = False) -> socket.socket:
     """Connect to ``peer``'s listener, authenticate, exchange ranks; returns a blocking socket.
 
     A full listen queue (EAGAIN on AF_UNIX), a refused connection, or a listener that dropped
     us before the handshake completed (a stray flood evicts pending handshakes) is retried with
     exponential backoff (5 ms .. 200 ms: there is no kernel object to wait on for "the peer's
     queue has room") until ``deadline``; then CommTimeout naming the last reason. On AF_UNIX
-    the listener must belong to this user (SO_PEERCRED)."""
+    the listener must belong to this user (SO_PEERCRED).
+
+    ``refused_is_final``: the address was published only after the peer listened on it (the
+    local doorbell listeners: an abstract AF_UNIX name, which nobody else can hold), so a
+    refused connection means the listener is gone -- the peer died or gave up its setup --
+    and is a PeerFailure naming it at once instead of a retry until the deadline."""
     what = f"rank {my_rank}: connecting to rank {peer}"
     delay, last = 0.005, None
     while True:
@@ -831,7 +836,14 @@ def dial_peer(family: int, address, token: bytes, my_rank: int, peer: int,
             raise CommTimeout(f"{what}: timed out" + (f" (last attempt: {last})" if last else ""))
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            retry = _dial_once(sock, family, address, token, my_rank, peer, deadline, what)
+            retry = _dial_once(sock, family, address, token, my_rank, peer, deadline, what,
+                               refused_is_final)
+        except ConnectionRefusedError:        # only with refused_is_final (_dial_once)
+            sock.close()
+            err = PeerFailure(f"{what}: rank {peer} no longer listens at the address it "
+                              f"published (it exited, was killed or gave up its setup)")
+            err.peer = peer
+            raise err from None
         except BaseException:
             sock.close()
             raise
@@ -843,13 +855,18 @@ def dial_peer(family: int, address, token: bytes, my_rank: int, peer: int,
         delay = min(delay * 2, 0.2)
 
 
-def _dial_once(sock, family, address, token, my_rank, peer, deadline, what):
+def _dial_once(sock, family, address, token, my_rank, peer, deadline, what,
+               refused_is_final=False):
     """One attempt: None when connected and authenticated, else the reason to retry (str)."""
     sock.settimeout(max(0.001, deadline - time.monotonic()))
     try:
         sock.connect(address)
     except socket.timeout:
         raise CommTimeout(f"{what}: connect timed out") from None
+    except ConnectionRefusedError as e:
+        if refused_is_final:
+            raise
+        return f"{type(e).__name__}: {e}"
     except _RETRY_ERRORS as e:
         return f"{type(e).__name__}: {e}"
     except OSError as e:

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from minicomm.errors import CommTimeout, MismatchError, PeerFailure, pack_call
-from minicomm.rendezvous import AuthError, StoreClient, StoreServer, new_token
+from minicomm.rendezvous import AuthError, StoreClient, StoreServer, dial_peer, new_token
 from minicomm.transports import connect, shm
 from minicomm.transports.base import Tag
 from minicomm.transports.shm import segment_path, sweep_job_segments
@@ -485,8 +485,23 @@ def test_sweep_removes_segments_of_killed_ranks():
 
     job.run(during=during)
     assert job.exitcodes[0] == -signal.SIGKILL
+    # rank 1 found rank 0's listener gone: a named failure at once, not the setup timeout
+    assert job.results[1]["type"] == "PeerFailure" and "rank 0" in job.results[1]["error"], \
+        job.results[1]
     assert sweep_job_segments(job.job_id) == [segment_path(job.job_id, 0)]
     assert _leftovers(job.job_id) == []
+
+
+def test_dialing_a_local_peer_that_stopped_listening_is_a_peer_failure():
+    """A local (AF_UNIX) peer's listener name is published only once it listens, so a refused
+    connection means the peer is gone (killed, or it gave up its setup): PeerFailure naming it,
+    where the dialer used to retry until the setup deadline and then raise CommTimeout. A full
+    listen queue is EAGAIN, not a refusal, and is still retried
+    (test_security.py::test_dialer_retries_a_full_listen_queue)."""
+    name = f"\0minicomm-test-gone-{os.getpid()}"
+    with pytest.raises(PeerFailure, match="rank 0 .*no longer listens"):
+        dial_peer(socket.AF_UNIX, name, new_token(), 1, 0, time.monotonic() + 20,
+                  refused_is_final=True)
 
 
 # ------------------------------------------------------------------------------ measurements

@@ -303,7 +303,7 @@ class Device:
                                            timeout=max(0.0, deadline - time.monotonic()))
                         name = self._sock_name(p, theirs.decode(errors="replace"))
                         self._socks[p] = dial_peer(socket.AF_UNIX, name, token, rank, p,
-                                                   deadline)
+                                                   deadline, refused_is_final=True)
                 self._socks.update(accept_peers(listener, token, rank,
                                                 [p for p in self.local_peers if p > rank],
                                                 deadline))

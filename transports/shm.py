@@ -371,8 +371,9 @@ class ShmTransport(LinkEngine):
 
         for pr in peers:
             if pr < me:
+                # published after listen(): a refused dial means rank pr is gone
                 s = dial_peer(socket.AF_UNIX, self._sock_name(pr, nonces[pr]), self._token, me,
-                              pr, deadline)
+                              pr, deadline, refused_is_final=True)
                 self._peers[pr].sock = s
         accepted = accept_peers(self._listener, self._token, me, [p for p in peers if p > me],
                                 deadline)
