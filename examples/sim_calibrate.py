@@ -2,6 +2,8 @@
 
     python examples/sim_calibrate.py --out /tmp/calib --run --json docs/sim-calibration.json
     python examples/sim_calibrate.py --raw docs/sim-calibration.json    # re-predict, no benchmark
+    python examples/sim_calibrate.py --out /tmp/calib --run --rounds 8 \
+        --collectives reduce_scatter --json docs/sim-calibration-reduce-scatter.json
 
 ``--run`` measures, for every transport (shm, tcp) and world size (2, 3, 4), ``--rounds`` times,
 interleaved so that each prediction uses links measured minutes (not an hour) before its run:
@@ -13,8 +15,8 @@ interleaved so that each prediction uses links measured minutes (not an hour) be
      the wake-up cost): o, latency and (tcp) β are fitted to it by least squares through the
      engine (``minicomm.tuning.calibration.fit_links``, once per transport over all its sweeps;
      shm's β is its two copies by the model);
-  3. the measured run: ``minicomm bench allreduce,allgather,broadcast`` at that world size,
-     ring / tree / rhd, sizes 64 KiB .. 64 MiB; the load average again.
+  3. the measured run: ``minicomm bench allreduce,allgather,broadcast`` (``--collectives``)
+     at that world size, ring / tree / rhd, sizes 64 KiB .. 64 MiB; the load average again.
 Every row is then predicted by ``minicomm.cost.schedule_time`` — the real schedules on the
 simulator engine's host machine (``run_host``: copy-in / copy-out per message, 1 MiB streaming,
 doorbell wake-ups, the node's cores shared by the ranks, memory bandwidth shared by copiers) — as
@@ -81,7 +83,7 @@ def single_copy_threshold(transport, env):
     return int(done.stdout.split()[-1])
 
 
-def record_run(out, transport, n, rnd, sizes, algos, batches):
+def record_run(out, transport, n, rnd, sizes, algos, colls, batches):
     cache = tempfile.mkdtemp(prefix=f"cache-{transport}-n{n}-r{rnd}-", dir=out)
     env = dict(os.environ, MINICOMM_CACHE_DIR=cache)
     load_before = os.getloadavg()
@@ -92,7 +94,7 @@ def record_run(out, transport, n, rnd, sizes, algos, batches):
         world_start = json.load(f)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     rows = run_bench(os.path.join(out, f"{transport}-n{n}-r{rnd}.json"), transport, n, sizes,
-                     algos, COLLS, env, batches)
+                     algos, colls, env, batches)
     return {"transport": transport, "ranks": n, "round": rnd, "cores": int(cores or 0),
             # the single-copy threshold this run had (shm: probed per pair at world start)
             "single_copy": single_copy_threshold(transport, env),
@@ -104,12 +106,22 @@ def record_run(out, transport, n, rnd, sizes, algos, batches):
             "probe": slim(probe), "rows": slim(rows)}
 
 
+def recorded_collectives(raw):
+    """The collectives of the measured runs, in the order they were recorded."""
+    seen = {}
+    for run in raw["runs"]:
+        for r in run["rows"]:
+            seen.setdefault(r["collective"], None)
+    return list(seen)
+
+
 def print_table(raw):
     runs = raw["runs"]
+    colls = recorded_collectives(raw)
     print(f"# examples/sim_calibrate.py: {len(runs)} recorded runs ("
           f"{len({r['round'] for r in runs})} rounds x transports x world sizes), each: memory "
           f"probe, 2-rank link sweep (minicomm bench broadcast,allgather --algorithms tree,rhd "
-          f"--sizes {PROBE_SIZES}), then minicomm bench {COLLS} (ring, tree, rhd; "
+          f"--sizes {PROBE_SIZES}), then minicomm bench {','.join(colls)} (ring, tree, rhd; "
           f"64K,1M,16M,64M), {runs[0].get('batches', 11)} batches of "
           f"{runs[0].get('batch_time', BATCH_TIME) * 1e3:g} ms per row and run")
     print("# estimator: the fastest batch over all rounds, for the link sweep and the measured "
@@ -149,7 +161,7 @@ def print_table(raw):
         for n in sorted({r["ranks"] for r in rows}):
             groups.append((f"{t} n={n}", [r for r in rows if r["transport"] == t
                                           and r["ranks"] == n]))
-    for c in COLLS.split(","):
+    for c in colls:
         groups.append((c, [r for r in rows if r["collective"] == c]))
     for fam in ("ring", "tree", "rhd"):
         groups.append((fam, [r for r in rows if r["algorithm"] == fam]))
@@ -192,6 +204,7 @@ def main():
     ap.add_argument("--worlds", default="2,3,4")
     ap.add_argument("--sizes", default="64K,1M,16M,64M")
     ap.add_argument("--algorithms", default="ring,tree,rhd")
+    ap.add_argument("--collectives", default=COLLS, help="the measured runs' collectives")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--batches", type=int, default=11)
     ap.add_argument("--json", help="write the raw runs here (with --run)")
@@ -204,7 +217,8 @@ def main():
         for rnd in range(a.rounds):
             for t in a.transports.split(","):
                 for n in (int(x) for x in a.worlds.split(",")):
-                    runs.append(record_run(a.out, t, n, rnd, a.sizes, a.algorithms, a.batches))
+                    runs.append(record_run(a.out, t, n, rnd, a.sizes, a.algorithms,
+                                           a.collectives, a.batches))
                     raw = {"format": "minicomm-calibration/1", "runs": runs}
                     with open(a.json or os.path.join(a.out, "raw.json"), "w") as f:
                         json.dump(raw, f, indent=0)
