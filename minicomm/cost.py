@@ -156,6 +156,16 @@ SHARING_LOSS_DRAM = 0.5
 # 1.10); with the fair share for all, 30.5% (29.4% -> 41.8% below 1 MiB) and 1.014 (1); with
 # this split anywhere from 25 us to 1 ms, 26.3-26.6% and 1.023-1.033 (4-7).
 BALANCE_S = 50e-6
+# Where a node's ranks outnumber its cores, this fraction of an intra-node message's latency is
+# priced as its sender's CPU (HostModel.latency_cpu): a loopback socket's latency is mostly
+# kernel work (the send path delivers into the receiver's socket), which then competes with the
+# other ranks for the cores. The 2-rank probes that fit the latency have a core per rank, so
+# they cannot tell. On the recorded calibration runs (links fitted by 2-rank probes, so the same
+# links): 0 -> 0.25 moves error 25.9% -> 24.8% (tcp 17.3% -> 15.3%) and on the reduce_scatter
+# recording 18.0% -> 17.0%, every pick unchanged; 0.5-1 gave 24.5-25.2% and 15.4-16.4% but two
+# more picks above 1.10 on the first recording (broadcast 64 KiB at 3-4 ranks: ring for tree)
+# and one fewer on the second. shm's latency (~1 us) makes it moot there.
+LATENCY_CPU_SHARED = 0.25
 
 TableKey = Tuple[str, int, Tuple[int, ...], str, str]   # collective, world, topology, intra, inter
 
@@ -339,6 +349,7 @@ def host_model(m: LinkModel, working_set: float = 0.0) -> HostModel:
             gamma=gamma, delta=delta, wake=m.wake, contention=contention, cores=m.cores,
             spin=m.spin, spin_rate=SPIN_BYTES_PER_S if m.spin else 0.0, spin_max=SPIN_MAX_S,
             sharing_loss=sharing_loss_at(m, working_set), balance=BALANCE_S,
+            latency_cpu=LATENCY_CPU_SHARED,
             call_overhead=m.call_overhead,
             background=m.background, exec_overhead=m.exec_overhead,
             single_min=m.single_copy if m.intra in COPY_TRANSPORTS else 0,

@@ -724,6 +724,10 @@ class HostModel:
     # extra CPU per intra-node message op of a call that runs through the executor (request
     # objects, matching queues) instead of the small-message path (``run_host(executor=True)``)
     exec_overhead: float = 0.0
+    # on a node whose ranks outnumber its cores, this fraction of an intra-node message's
+    # latency is its sender's CPU instead of time in flight (a loopback socket's kernel work
+    # runs on the node's cores, which other ranks then wait for)
+    latency_cpu: float = 0.0
 
 
 def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int = 4,
@@ -745,8 +749,9 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
     efficient; k ranks working at once slow each other down by 1 + contention (k - 1));
     ``background`` other runnable threads per rank share the cores too (a loaded machine). Every call (``prog.calls`` of them back to back) costs each rank
     ``call_overhead`` of CPU at its start; ``executor``: the call runs through the executor,
-    each intra-node message op costing ``exec_overhead`` more. Single copy (``single_min``): in a call that reduces
-    nothing, an intra-node message that large costs its sender o and its receiver o plus
+    each intra-node message op costing ``exec_overhead`` more. On a node whose ranks outnumber
+    its cores, ``latency_cpu`` of an intra-node message's latency is its sender's CPU. Single
+    copy (``single_min``): in a call that reduces nothing, an intra-node message that large costs its sender o and its receiver o plus
     ``single_beta`` per byte, readable as soon as it is posted; the sender's step ends only
     once it has been read (its buffer is in use until then). The last rank's end is the time
     of all calls."""
@@ -776,6 +781,8 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
     mlink = [(2 if single and nb >= hm.single_min else 0) if node_of[a] == node_of[b] else 1
              for a, b, nb in zip(src, dst, mbytes)]
     mreduce = prog.msg_reduce.tolist()
+    lat_cpu = [hm.latency_cpu * links[k][1] if k != 1 and shared[node_of[a]] else 0.0
+               for a, k in zip(src, mlink)]     # latency the sender spends on a core
     first = [math.inf] * M          # when the message's first piece / last piece is visible
     last = [math.inf] * M
     exists = [False] * M            # its sender has begun the step that sends it
@@ -828,7 +835,7 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
             if mlink[m] == 2:
                 held[r].append(m)
             head = min(mbytes[m], chunk) * bs
-            items.append(("cpu", o + head, ("first", m)))
+            items.append(("cpu", o + head + lat_cpu[m], ("first", m)))
             items.append(("cpu", mbytes[m] * bs - head, ("last", m)))
         todo[r] = items
         advance(r)
@@ -876,7 +883,7 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
             if field_ == "read":
                 read[m] = now
                 return
-            (first if field_ == "first" else last)[m] = now + links[mlink[m]][1]
+            (first if field_ == "first" else last)[m] = now + links[mlink[m]][1] - lat_cpu[m]
 
     def satisfied(r: int) -> bool:
         kind, m = waiting[r]
