@@ -857,7 +857,8 @@ def dial_peer(family: int, address, token: bytes, my_rank: int, peer: int,
 
 def _dial_once(sock, family, address, token, my_rank, peer, deadline, what,
                refused_is_final=False):
-    """One attempt: None when connected and authenticated, else the reason to retry (str)."""
+    """One attempt: None when connected and authenticated, else the reason to retry (str); a
+    refused connection is raised instead with ``refused_is_final`` (``dial_peer``)."""
     sock.settimeout(max(0.001, deadline - time.monotonic()))
     try:
         sock.connect(address)

@@ -751,8 +751,8 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
     ``call_overhead`` of CPU at its start; ``executor``: the call runs through the executor,
     each intra-node message op costing ``exec_overhead`` more. On a node whose ranks outnumber
     its cores, ``latency_cpu`` of an intra-node message's latency is its sender's CPU. Single
-    copy (``single_min``): in a call that reduces nothing, an intra-node message that large costs its sender o and its receiver o plus
-    ``single_beta`` per byte, readable as soon as it is posted; the sender's step ends only
+    copy (``single_min``): in a call that reduces nothing, an intra-node message that large
+    costs its sender o and its receiver o plus ``single_beta`` per byte, readable as soon as it is posted; the sender's step ends only
     once it has been read (its buffer is in use until then). The last rank's end is the time
     of all calls."""
     p = prog.size
