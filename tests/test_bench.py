@@ -4,7 +4,9 @@ Not timed: the benchmark is run briefly to prove it works and checks results; sp
 benchmark itself reports.
 """
 import csv
+import dataclasses
 import json
+import math
 import subprocess
 import sys
 
@@ -116,6 +118,30 @@ def test_closed_form_expected_values_match_the_definition(coll, n, op, dtype):
             assert got is None
         else:
             np.testing.assert_array_equal(got, ref[r])
+
+
+def test_batches_are_sized_by_a_timed_block_not_by_slow_warm_up_calls(monkeypatch):
+    """A call whose warm-up took 100x its steady time (1 ms against 10 us: the first calls
+    after a barrier where ranks share cores) still gets batches of about batch_time: the
+    iterations come from timed blocks of back-to-back calls (a quarter batch, resized while it
+    came out under an eighth), where the warm-up estimate alone gave 5 calls of 10 us for a
+    5 ms batch."""
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+
+    def op():
+        clock[0] += 10e-6
+
+    class One:                        # a one-rank world: the agreed maximum is one's own
+        def allreduce(self, values, op, algorithm):
+            assert op == "max"
+            return np.asarray(values)
+    call = benchspec.Call(op, lambda: None, None)
+    cfg = BenchConfig(collectives=["allreduce"], sizes=[8], batch_time=0.005, max_iters=1000)
+    assert bench.batch_iters(One(), cfg, call, est=1e-3) == 500
+    assert bench.batch_iters(One(), cfg, call, est=10e-6) == 500
+    assert bench.batch_iters(One(), dataclasses.replace(cfg, max_iters=100), call, 1e-3) == 100
+    assert math.ceil(cfg.batch_time / 1e-3) == 5              # the old sizing, for the record
 
 
 # ---------------------------------------------------------------------------- runs

@@ -8,7 +8,9 @@
 Method, per collective and size, separately for out-of-place and in-place buffers:
   every library (each minicomm algorithm, then each peer) is warmed up; the iterations per batch
   are chosen so one batch lasts about ``--batch-time`` (or fixed by ``--iters``) and agreed by all
-  ranks; then ``--batches`` rounds run, each round timing one batch of every library in turn
+  ranks -- from a timed block of back-to-back calls a quarter batch long (``batch_iters``), since
+  single warm-up calls right after a world starts or a barrier can take 10x their steady time;
+  then ``--batches`` rounds run, each round timing one batch of every library in turn
   (minicomm ring, minicomm rhd, ..., mpi, gloo, then again), so drift on a shared machine hits all
   alike. Each batch starts after the library's own barrier; its time per call is that of the
   slowest rank; the figure reported is the median over batches. Then every library runs once more
@@ -195,6 +197,29 @@ def rank_main(comm, cfg: BenchConfig, mpi_comm=None) -> Optional[List[dict]]:
         watchdog.stop()
 
 
+def batch_iters(comm, cfg: BenchConfig, call: Call, est: float) -> int:
+    """Iterations for a batch of about ``cfg.batch_time``, from blocks of back-to-back calls
+    (timeit's autorange): a block sized by ``est`` to a quarter batch is timed (the slowest
+    rank's time, agreed), and sized again from that while it came out shorter than an eighth
+    (at most 3 blocks). Single warm-up calls are a poor guide where ranks share cores: right
+    after a barrier, or in a world's first second, one call can take 10x its steady time, and
+    batches sized from it would be ten times too short, their start (the ranks leaving the
+    barrier one by one) then weighing on every call. Every rank runs the same blocks: each
+    size comes from an agreed time."""
+    per = max(est, 1e-9)
+    for _ in range(3):
+        k = int(np.clip(math.ceil(cfg.batch_time / 4 / per), 1, cfg.max_iters))
+        call.barrier()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            call.op()
+        block = float(_agree_max(comm, [time.perf_counter() - t0])[0])
+        per = max(block / k, 1e-9)
+        if block >= cfg.batch_time / 8 or k == cfg.max_iters:
+            break
+    return int(np.clip(math.ceil(cfg.batch_time / per), 1, cfg.max_iters))
+
+
 def _agree_max(comm, values: Sequence[float]) -> np.ndarray:
     return comm.allreduce(np.asarray(values, dtype=np.float64), op="max", algorithm="auto")
 
@@ -233,6 +258,7 @@ def _bench_buffers(comm, cfg: BenchConfig, case: Case, runners, watchdog: Watchd
             c.barrier()
             if cfg.warmup >= 2:        # the first call pays for plans and page faults: untimed
                 c.op()
+                c.barrier()            # on every rank: no timed call waits for a peer's first
             each = []
             for _ in range(max(1, cfg.warmup - 1)):
                 t0 = time.perf_counter()
@@ -243,8 +269,8 @@ def _bench_buffers(comm, cfg: BenchConfig, case: Case, runners, watchdog: Watchd
             iters = np.full(nr, cfg.iters, dtype=np.int64)
         else:
             est = _agree_max(comm, est)
-            iters = np.clip(np.ceil(cfg.batch_time / np.maximum(est, 1e-9)), 1,
-                            cfg.max_iters).astype(np.int64)
+            iters = np.array([batch_iters(comm, cfg, calls[i], est[i]) if i in calls else 1
+                              for i in range(nr)], dtype=np.int64)
         iters_used[pi] = iters
         times = np.full((nr, cfg.batches), np.nan)
         for k in range(cfg.batches):           # interleaved: every library once per round
