@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -214,10 +215,29 @@ def choose(collective: str, p: int, nbytes: int, topology: Sequence[int], m: Lin
     key = (collective, p, nbytes, tuple(topology))
     fam = m._choices.get(key)
     if fam is None:
-        fam = table_choice(m, *key) or model_choice(*key, m)
+        fam = table_choice(m, *key) or _shared_model_choice(key, m)
         if len(m._choices) > 4096:
             m._choices.clear()
         m._choices[key] = fam
+    return fam
+
+
+# model_choice per (model, call) for the whole process: the ranks of an in-process world
+# (transport="inproc") hold equal LinkModels, and each would otherwise run the same simulations
+# (a 16-rank world's first calls of every size class: 315 model runs where 20 differ). The lock
+# makes one thread compute a choice while the others wait for it.
+_shared_choices: Dict[Tuple, str] = {}
+_shared_lock = threading.Lock()
+
+
+def _shared_model_choice(key: Tuple, m: LinkModel) -> str:
+    with _shared_lock:
+        fam = _shared_choices.get((m, key))
+        if fam is None:
+            fam = model_choice(*key, m)
+            if len(_shared_choices) > 4096:
+                _shared_choices.clear()
+            _shared_choices[(m, key)] = fam
     return fam
 
 

@@ -618,11 +618,42 @@ def test_auto_prices_every_schedule_through_the_engine(monkeypatch, p):
     monkeypatch.setattr(engine, "run_host", sentinel)
     monkeypatch.setattr(engine, "run_program", sentinel)
     monkeypatch.setattr(cost, "_fabric_prices", {})
+    monkeypatch.setattr(cost, "_shared_choices", {})
     fresh = cost.LinkModel.for_transports("shm", "tcp", cores=2)    # no cached choices
     assert cost.choose("allreduce", p, nbytes, topo, fresh) == worst
     assert sorted(runs) == sorted(real)          # one engine run per family
     assert cost.choose("allreduce", p, nbytes, topo, fresh) == worst
     assert len(runs) == len(real)                # the second call is the cached choice
+
+
+def test_ranks_of_one_process_share_autos_model_runs(monkeypatch):
+    """The ranks of an in-process world hold equal LinkModels (distinct objects): eight threads
+    choosing at once for the same call run the model once and agree; a model that differs runs
+    its own."""
+    import threading
+
+    from minicomm import cost
+    monkeypatch.setattr(cost, "_shared_choices", {})
+    runs = []
+    real = cost.model_choice
+
+    def counted(*a, **k):
+        runs.append(a[:3])
+        return real(*a, **k)
+    monkeypatch.setattr(cost, "model_choice", counted)
+    models = [cost.LinkModel.for_transports("shm", "tcp", cores=2) for _ in range(8)]
+    got = []
+    threads = [threading.Thread(target=lambda m=m: got.append(
+        cost.choose("allreduce", 8, 1 << 16, (0,) * 8, m))) for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(got) == 8 and len(set(got)) == 1
+    assert runs == [("allreduce", 8, 1 << 16)]
+    other = cost.LinkModel.for_transports("shm", "tcp", cores=4)
+    cost.choose("allreduce", 8, 1 << 16, (0,) * 8, other)
+    assert len(runs) == 2
 
 
 def test_near_tie_goes_to_the_family_with_fewer_messages(monkeypatch):
