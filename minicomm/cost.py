@@ -224,7 +224,7 @@ def choose(collective: str, p: int, nbytes: int, topology: Sequence[int], m: Lin
 
 # model_choice per (model, call) for the whole process: the ranks of an in-process world
 # (transport="inproc") hold equal LinkModels, and each would otherwise run the same simulations
-# (a 16-rank world's first calls of every size class: 315 model runs where 20 differ). The lock
+# (a 16-rank world's first calls of every size class: 315 model runs where 33 differ). The lock
 # makes one thread compute a choice while the others wait for it.
 _shared_choices: Dict[Tuple, str] = {}
 _shared_lock = threading.Lock()
