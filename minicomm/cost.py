@@ -66,11 +66,11 @@ table's lookup (``table_index`` of ``minicomm.tuning.load_table``'s entries). Wi
 measurement, ``LinkModel.for_transports`` gives the constants ``DEFAULT_LINKS``, ``GAMMA``,
 ``DELTA``, ``WAKE``. Transport facts the model mirrors (``PIPELINE_CHUNK``, ``RING_BYTES``) are
 constants here, not imports (the transports are not below this layer); a test keeps them equal.
-The spin times (``SPIN_S`` and the long spin for large messages) are shared with the progress
-engine through ``minicomm.settings``. Where a node's ranks outnumber its cores the engine spins
-longer (``SPIN_SHARED_S``) but yields the core between polls; the model keeps ``spin`` there
-and charges such a node's sleepers no wake-up (the engine's ``shared`` nodes), which the longer
-yielding spin makes closer to what happens.
+The spin times (``SPIN_S``, the long spin for large messages and ``SPIN_SHARED_S``) are shared
+with the progress engine through ``minicomm.settings``. Where a node's ranks outnumber its cores
+the engine spins longer (``SPIN_SHARED_S``) but yields the core between polls; the model spins
+as long there, the spinner holding ``YIELD_SHARE`` of a core, and charges such a node's
+sleepers no wake-up (the engine's ``shared`` nodes).
 
 Cost: ``choose`` is one dict lookup after the first call per (collective, p, bytes, topology)
 (~0.5 us); a first call simulates every family's p schedules: ~2 ms at p = 4, ~45 ms at p = 16
@@ -89,7 +89,7 @@ import numpy as np
 
 from .algorithms import FAMILIES
 from .schedule import COLLECTIVES, ROOTED
-from .settings import SPIN_BYTES_PER_S, SPIN_MAX_S, SPIN_S
+from .settings import SPIN_BYTES_PER_S, SPIN_MAX_S, SPIN_S, SPIN_SHARED_S
 from .sim import engine
 from .sim.engine import HostLink, HostModel
 
@@ -167,6 +167,20 @@ BALANCE_S = 50e-6
 # more picks above 1.10 on the first recording (broadcast 64 KiB at 3-4 ranks: ring for tree)
 # and one fewer on the second. shm's latency (~1 us) makes it moot there.
 LATENCY_CPU_SHARED = 0.25
+# Where a node's ranks outnumber its cores the engine's waiting rank polls with sched_yield
+# between passes for SPIN_SHARED_S before it sleeps (transports/progress.py); the model spins
+# that long there too, the spinner holding this much of a core. Measured: one to three such
+# pollers pinned to the core of a process doing 4000 1 MiB copies made it 0-9% slower (95-105
+# against 96-99 ms), so a spinner takes a few percent of a long piece of work; a short one still
+# waits for its turn on a core that two ranks want (the busiest core's pace). Before, the model
+# spun SPIN_S there, at a whole core. On the recorded calibration runs: error 24.8% -> 24.0%,
+# regret 1.026 -> 1.025 (5 picks above 1.10 either way); reduce_scatter recording 17.0% ->
+# 15.7%, regret 1.021 -> 1.015 (3 -> 1 above 1.10). 0.1 and 0.25 gave the same picks (24.0 and
+# 23.9%), a whole core 23.2% but n=3 allreduce 1 MiB picked ring, 1.31 slower than tree there;
+# 0 (no share: the spinner never delays a short piece) 29.1% and 1.048 (9 above 1.10). Live at
+# n=4: allreduce 256 KiB-2 MiB tree -> rhd (1 MiB: rhd 445-763 us against tree's 570-994 in
+# four interleaved runs).
+YIELD_SHARE = 0.05
 
 TableKey = Tuple[str, int, Tuple[int, ...], str, str]   # collective, world, topology, intra, inter
 
@@ -368,6 +382,7 @@ def host_model(m: LinkModel, working_set: float = 0.0) -> HostModel:
                      PIPELINE_CHUNK.get(m.inter, STREAM_CHUNK)),
             gamma=gamma, delta=delta, wake=m.wake, contention=contention, cores=m.cores,
             spin=m.spin, spin_rate=SPIN_BYTES_PER_S if m.spin else 0.0, spin_max=SPIN_MAX_S,
+            spin_shared=SPIN_SHARED_S if m.spin else 0.0, yield_share=YIELD_SHARE,
             sharing_loss=sharing_loss_at(m, working_set), balance=BALANCE_S,
             latency_cpu=LATENCY_CPU_SHARED,
             call_overhead=m.call_overhead,

@@ -707,6 +707,8 @@ class HostModel:
     contention: float = 0.0  # k ranks working at once on a node each run 1 + c(k-1) slower
     cores: int = 0          # cores of a node (0: as many as ranks, no sharing)
     spin: float = 50e-6     # a waiting rank spins this long, then sleeps ...
+    spin_shared: float = 0.0  # ... or this long on a node whose ranks outnumber its cores,
+    yield_share: float = 1.0  # yielding between polls: such a spinner holds this much of a core
     spin_rate: float = 0.0  # ... or, with a core to itself, as long as the largest message it
     spin_max: float = 0.0   # waits for takes at this many bytes/s, at most spin_max (0: spin)
     sharing_loss: float = 1.0   # work on a shared core runs at share / (1 + loss (1 - share))
@@ -742,7 +744,11 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
     receive max(β/2, γ): it reduces straight out of the landing memory), the last piece no
     earlier than the sender copied it in. A waiting rank spins for ``spin``, then sleeps: the
     message that wakes it costs ``wake`` more when the rank has a core to itself (such a rank
-    spins longer for a large message: its bytes at ``spin_rate``, up to ``spin_max``). A node's ranks
+    spins longer for a large message: its bytes at ``spin_rate``, up to ``spin_max``). On a node
+    whose ranks outnumber its cores a rank spins ``spin_shared`` instead (when set), yielding its
+    core between polls, and holds ``yield_share`` of a core meanwhile: a long piece of work
+    beside it hardly slows down, a short one still waits for its turn on the core (the busiest
+    core's pace below counts the spinner). A node's ranks
     share its ``cores`` (processor sharing among working and spinning ranks: a piece of work
     shorter than ``balance`` at the busiest core's pace, ceil(ranks / cores) to a core, a longer
     one at the fair share, ranks / cores; work on a shared core is ``sharing_loss`` less
@@ -804,7 +810,11 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
     waiting: List[Any] = [None] * p     # None, ("first", None): any receive, ("last", message)
     wait_since = [0.0] * p
     wake_at: List[Optional[float]] = [None] * p
-    spin_of = [hm.spin] * p              # how long this wait spins before the rank sleeps
+    # how long a wait spins before the rank sleeps, and how much of a core the spin holds: on a
+    # node whose ranks outnumber its cores the engine polls with sched_yield between passes
+    yielding = [bool(hm.spin_shared) and shared[node_of[r]] for r in range(p)]
+    spin_of = [hm.spin_shared if yielding[r] else hm.spin for r in range(p)]
+    spin_hold = [hm.yield_share if yielding[r] else 1.0 for r in range(p)]
     long_spin = hm.spin_rate > 0 and hm.spin_max > hm.spin
 
     def wait_for(r: int, state, nbytes: float) -> None:
@@ -925,7 +935,7 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
                 moved = True
         if all(done):
             break
-        busy = dict.fromkeys(nodes, 0)       # working or spinning: they hold a core
+        busy = dict.fromkeys(nodes, 0.0)     # working or spinning: they hold a core
         working = dict.fromkeys(nodes, 0)
         for r in range(p):
             if done[r]:
@@ -934,7 +944,7 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
                 working[node_of[r]] += 1
                 busy[node_of[r]] += 1
             elif wake_at[r] is None and now - wait_since[r] <= spin_of[r]:
-                busy[node_of[r]] += 1
+                busy[node_of[r]] += spin_hold[r]
         pinned, spread = {}, {}
         for n in nodes:
             # A short piece of work runs at the busiest core's pace: ceil(busy / cores) ranks
@@ -944,7 +954,8 @@ def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int
             # Other runnable threads take their share of every core either way.
             slow = 1 + hm.contention * max(0, min(working[n], cores[n]) - 1)
             others = hm.background * nodes[n] / cores[n]
-            for rates, per_core in ((pinned, -(-busy[n] // cores[n])),
+            # (busy counts a yielding spinner as a fraction of a rank: round before the ceil)
+            for rates, per_core in ((pinned, math.ceil(round(busy[n] / cores[n], 9))),
                                     (spread, busy[n] / cores[n])):
                 share = min(1.0, 1.0 / (per_core + others)) if busy[n] else 1.0
                 rates[n] = share / (1 + hm.sharing_loss * (1 - share)) / slow
