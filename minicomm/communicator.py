@@ -604,8 +604,18 @@ class Communicator:
         view: ``_run_call`` copies it only if the plan is not ``alias_safe`` at that offset."""
         if out is None or inflat is outflat:
             return inflat
-        if inflat.base is None and outflat.base is None:
+        ib, ob = inflat.base, outflat.base
+        if ib is None and ob is None:
             return inflat             # two arrays that own their memory: never the same bytes
+        # views of two different arrays that own their memory (numpy points a view's base at the
+        # owner): never the same bytes either, decided without np.may_share_memory (0.4 us, a
+        # tenth of an 8 B allreduce at n=2)
+        ib = inflat if ib is None else ib if ib.__class__ is np.ndarray and ib.base is None \
+            else None
+        ob = outflat if ob is None else ob if ob.__class__ is np.ndarray and ob.base is None \
+            else None
+        if ib is not None and ob is not None and ib is not ob:
+            return inflat
         # both are contiguous and 1-D here, so overlapping bounds mean shared memory
         if not np.may_share_memory(inflat, outflat):
             return inflat

@@ -136,6 +136,28 @@ def test_separate_tells_the_same_array_from_an_overlap():
     assert sep(a, a.view(np.int32), a.view(np.int32)) is not a     # same bytes, other dtype
 
 
+def test_separate_decides_views_of_two_owners_without_looking_at_memory(monkeypatch):
+    """Views of two different arrays that own their memory cannot overlap: decided from their
+    bases alone (np.may_share_memory is not called). Views of one owner, or of memory numpy does
+    not own (a bytearray), still get the full check, and their overlaps are still found."""
+    from minicomm.communicator import Communicator, _InPlace
+    sep = Communicator._separate
+    owner_a, owner_b = np.zeros(16, np.float32), np.zeros(16, np.float32)
+    x, y = owner_a[4:12], owner_b[:8]
+    calls = []
+    real = np.may_share_memory
+    monkeypatch.setattr(np, "may_share_memory", lambda *a: calls.append(a) or real(*a))
+    assert sep(x, y, y) is x and sep(owner_a, y, y) is owner_a and sep(x, owner_b, owner_b) is x
+    assert calls == []
+    assert sep(owner_a[4:12], owner_a[4:12][:], x) is not x and calls   # one owner: checked
+    assert sep(x, owner_a[4:12], owner_a[4:12]).base is owner_a         # the same memory
+    shifted = sep(owner_a[6:14], x, x)
+    assert type(shifted) is _InPlace and shifted.shift == 2
+    raw = bytearray(64)
+    f, g = np.frombuffer(raw, np.float32)[:8], np.frombuffer(raw, np.float32)[:8]
+    assert f.base is not g.base and sep(f, g, g) is g                   # not owners: checked
+
+
 # ------------------------------------------------------------------ local ops on a helper thread
 def _steps_background(plan):
     """``plan.background`` spelled out per step (None means no step's ops run on a helper)."""
