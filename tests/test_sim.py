@@ -835,7 +835,7 @@ def test_a_yielding_spinner_holds_a_share_of_a_core_where_ranks_outnumber_the_co
     assert engine.run_host(prog, (0, 0, 0), yielding).time_s == pytest.approx(1.025 * cpu)
     short = dataclasses.replace(yielding, balance=math.inf)
     assert engine.run_host(prog, (0, 0, 0), short).time_s == pytest.approx(2 * cpu)
-    own = dataclasses.replace(yielding, cores=3, spin_shared=1e-9)
+    own = dataclasses.replace(yielding, cores=3)
     assert engine.run_host(prog, (0, 0, 0), own).time_s == pytest.approx(cpu)
     from minicomm import cost
     from minicomm.settings import SPIN_SHARED_S
