@@ -90,10 +90,14 @@ class MinicommRunner:
         n, r = comm.size, comm.rank
         is_root = r == root
         src = b.ip if inplace else b.send
-        # in place is out=x, the very array (as users write it): a separate view of the same
-        # memory costs the communicator's overlap check, 2 us of an 8 B call
-        dst = (b.ip if b.ip.size == b.case.out_count else b.ip[:b.case.out_count]) if inplace \
-            else b.recv
+        if not inplace:
+            dst = b.recv
+        elif b.ip.size == b.case.out_count:
+            # out=x, the very array, as users write it: a separate view of the same memory
+            # costs the communicator's overlap check, 2 us of an 8 B call
+            dst = b.ip
+        else:
+            dst = b.ip[:b.case.out_count]       # the output is the buffer's first block
         grid = (lambda x: x.reshape(n, b.case.count))
         if coll == "allreduce":
             f = lambda: comm.allreduce(src, op=op, algorithm=a, out=dst)  # noqa: E731
