@@ -32,7 +32,7 @@ RUNS = {   # name: bench arguments
                          "--algorithms", ALGOS],
     "allreduce-shm-n4": ["allreduce", "--sizes", SWEEP, "-n", "4", "--transport", "shm",
                          "--algorithms", ALGOS],
-    # every collective at the sizes of issue 15's bandwidth targets (MPICH only: it is the target)
+    # every collective at the sizes of the bandwidth targets (MPICH only: it is the target)
     "all-shm-n2": ["all", "--sizes", "1M,64M", "-n", "2", "--transport", "shm", "--only-mpi"],
     "all-shm-n4": ["all", "--sizes", "1M,64M", "-n", "4", "--transport", "shm", "--only-mpi"],
     "all-shm-n2-registered": ["all", "--sizes", "1M,64M", "-n", "2", "--transport", "shm",
@@ -40,7 +40,7 @@ RUNS = {   # name: bench arguments
     "allreduce-tcp-n2": ["allreduce", "--sizes", "8,64M", "-n", "2", "--transport", "tcp",
                          "--algorithms", ALGOS],
 }
-# issue 15 judges auto on the median of 3 runs: two more sweeps of every algorithm, minicomm alone
+# auto is judged on the median of 3 runs: two more sweeps of every algorithm, minicomm alone
 # (the first of the 3 is the run above, with the peers)
 AUTO_REPEATS = 2
 RUNS.update({f"allreduce-shm-n{n}-run{k}": ["allreduce", "--sizes", SWEEP, "-n", n, "--transport",

@@ -1,4 +1,6 @@
-"""The floor under issue 15's 8 B allreduce row: the least a pure-Python exchange costs here.
+"""The floor under the 8 B allreduce latency row: the least a pure-Python exchange costs here.
+
+What it found: docs/decisions/small-message-latency-floor.md.
 
     python examples/latency_floor.py            # ROUNDS=5 CALLS=20000 by default
 

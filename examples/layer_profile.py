@@ -1,4 +1,6 @@
-"""Where a latency-bound call's time goes, split by layer: issue 15's 8 B rows.
+"""Where a latency-bound call's time goes, split by layer: the 8 B latency rows.
+
+What it found: docs/decisions/small-message-latency-floor.md.
 
     minicomm run -n 2 examples/layer_profile.py
     minicomm run -n 4 examples/layer_profile.py          # CALLS=5000 by default

@@ -7,8 +7,8 @@ per call of each and plain / registered (above 1: registered is faster).
     NBYTES=4M CALLS=50 minicomm run -n 4 examples/registered_ab.py
 
 Over shm, a message from registered memory larger than a ring chunk travels as a descriptor the
-receiver copies from (one copy); up to a chunk it takes the ring like a plain one (shm.py,
-"Registered memory"), so at 1 MiB and below the two columns should agree.
+receiver copies from (one copy); up to a chunk it takes the ring like a plain one
+(docs/decisions/registered-buffers.md), so at 1 MiB and below the two columns should agree.
 """
 import os
 

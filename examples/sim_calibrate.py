@@ -152,7 +152,7 @@ def print_table(raw):
           f"{'fastest':>10} {'median':>10} {'predicted':>10} {'error':>7}")
     for r in rows:
         print(f"{r['transport']:>9} {r['ranks']:>2} {r['collective']:>10} "
-              f"{r['algorithm']:>5} {r['bytes'] >> 10:>6}K {r['measured_s'] * 1e6:>8.0f}us "
+              f"{r['algorithm']:>5} {r['bytes'] >> 10:>6}K {r['timed_s'] * 1e6:>8.0f}us "
               f"{r['median_s'] * 1e6:>8.0f}us {r['predicted_s'] * 1e6:>8.0f}us "
               f"{100 * r['error']:>6.1f}%")
     groups = [("all", rows)]

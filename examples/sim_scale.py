@@ -3,8 +3,8 @@
     python examples/sim_scale.py [--nodes 128] [--size 1G] [--json]
 
 Each timing is cold: the compiled-schedule cache is emptied first, so building the schedules
-(and, for ring, the rank-symmetry check) is included. Targets (issue 13): ring allreduce of 1 GiB
-under 10 s; all four families together for one size under 60 s.
+(and, for ring, the rank-symmetry check) is included. Targets: ring allreduce of 1 GiB under
+10 s; all four families together for one size under 60 s (docs/decisions/simulator-speed.md).
 """
 import argparse
 import json

@@ -23,12 +23,8 @@ SPIN_S = 50e-6
 SPIN_BYTES_PER_S = 4e9
 SPIN_MAX_S = 1e-3
 # ... and when a node's ranks outnumber its cores (the spin then yields the core between polls):
-# about what a wake-up costs there (150-300 us measured on 2 cores), the competitive-spinning
-# rule (spin as long as blocking would cost: never worse than twice the better choice). A rank
-# that sleeps after 50 us pays a wake-up for every message that takes longer to arrive, and with
-# ranks time-slicing cores most do: 4 ranks on 2 cores, 1 MiB calls, 300 us against 50 us
-# (in-process A/B, 7 interleaved rounds): reduce 571 -> 463 us, scatter 529 -> 362 us, allgather
-# 427 -> 370 us; 64 MiB calls unchanged (within 6%)
+# about what a wake-up costs there, the competitive-spinning rule (spin as long as blocking
+# would cost: never worse than twice the better choice): docs/decisions/shm-spin-then-sleep.md
 SPIN_SHARED_S = 300e-6
 
 

@@ -16,12 +16,13 @@ Method, per collective and size, separately for out-of-place and in-place buffer
   slowest rank; the figure reported is the median over batches. Then every library runs once more
   on freshly initialised buffers and its result is compared with closed-form expected values:
   #wrong is the number of wrong elements summed over ranks.
+  Why this method: docs/decisions/bench-methodology.md.
 
 Columns are those of nccl-tests: size is the bytes of the whole buffer (for allgather and gather
 the output, for reduce_scatter, scatter and alltoall the input: n blocks), count the elements per
 rank block, algbw = size / time, busbw = algbw x factor (``busbw_factor``), the bandwidth a
 link-bound ring would need, comparable across collectives and world sizes. For a peer, ``vs mc``
-is its time divided by minicomm's (the ``auto`` row when measured, else the fastest algorithm):
+is its time divided by minicomm's (the ``auto`` row when it runs, else the fastest algorithm):
 above 1, minicomm is faster.
 
 ``--tune`` runs no benchmark: it times every fixed algorithm (those of ``--algorithms``, all by
@@ -93,8 +94,7 @@ class MinicommRunner:
         if not inplace:
             dst = b.recv
         elif b.ip.size == b.case.out_count:
-            # out=x, the very array, as users write it: a separate view of the same memory
-            # costs the communicator's overlap check, 2 us of an 8 B call
+            # out=x, the very array, as users write it: docs/decisions/bench-methodology.md
             dst = b.ip
         else:
             dst = b.ip[:b.case.out_count]       # the output is the buffer's first block
@@ -280,7 +280,7 @@ def _bench_buffers(comm, cfg: BenchConfig, case: Case, runners, watchdog: Watchd
                               for i in range(nr)], dtype=np.int64)
         iters_used[pi] = iters
         times = np.full((nr, cfg.batches), np.nan)
-        for k in range(cfg.batches):           # interleaved: every library once per round
+        for k in range(cfg.batches):           # every library once per round, in turn
             for i in active:
                 watchdog.tick(f"batch {k + 1} of {runners[i].label}, {where}")
                 c, it = calls[i], int(iters[i])
@@ -355,7 +355,8 @@ def header(cfg: BenchConfig, coll: str, comm, runners) -> str:
              f"#   warmup {cfg.warmup}, "
              + (f"{cfg.iters} iterations per batch" if cfg.iters else
                 f"iterations per batch for ~{cfg.batch_time * 1e3:.0f} ms (max {cfg.max_iters})")
-             + f", {cfg.batches} interleaved batches; time = median over batches of the slowest rank"]
+             + f", {cfg.batches} batches, libraries in turn; time = median over batches of the"
+             " slowest rank"]
     for p in peers:
         lines.append(f"#   peer {p.label}: {p.version}")
     if peers:
@@ -486,9 +487,10 @@ def plot(rows: List[dict], path: str, title: str = "") -> None:
 # ------------------------------------------------------------------------ --tune
 def tune(cfg: BenchConfig, path: Optional[str] = None, comm=None) -> Optional[str]:
     """``--tune``: time every fixed algorithm per (collective, size) with minicomm.tuning's
-    ``measure_table`` (float32 sum, interleaved batches, slowest rank, median) and merge the
-    entries into the table algorithm="auto" follows (``tuning.write_table``). With ``comm``
-    (inside ``minicomm run``) this rank takes part; rank 0 writes. Returns the path (rank 0)."""
+    ``measure_table`` (float32 sum, families in turn batch by batch, slowest rank, median) and
+    merge the entries into the table algorithm="auto" follows (``tuning.write_table``). With
+    ``comm`` (inside ``minicomm run``) this rank takes part; rank 0 writes. Returns the path
+    (rank 0)."""
     from .. import tuning
     algos = [a for a in cfg.algorithms if a != "auto"] or list(FAMILIES)
     n = comm.size if comm is not None else cfg.nranks
@@ -566,7 +568,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default="auto",
                    choices=["auto", "shm", "tcp", "rdma", "ub", "inproc"])
     p.add_argument("--transports", default=None,
-                   help="comma list of transports compared in one interleaved run (one-sided "
+                   help="comma list of transports compared in one run, batch by batch (one-sided "
                         "ops: default shm,rdma,ub; collectives: e.g. shm,rdma,ub)")
     p.add_argument("--nodes", type=int, default=1, help="emulated nodes (blocks of ranks)")
     p.add_argument("--algorithms", default="auto",

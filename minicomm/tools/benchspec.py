@@ -181,8 +181,7 @@ def page_aligned_empty(count: int, dtype) -> np.ndarray:
     buffers do (``bytecopy.page_aligned``). Heap arrays allocated one after the other often lie
     16 bytes apart modulo a page, where the C library's memmove runs several times slower on AMD
     Zen (transports/bytecopy.py): every library's local copy between the send and receive
-    buffers then depends on allocation luck (MPICH's out-of-place 1 MiB scatter measured 82 us
-    in one run and 370-410 us in others)."""
+    buffers then depends on allocation luck: docs/decisions/bench-methodology.md."""
     dtype = np.dtype(dtype)
     return page_aligned(count * dtype.itemsize).view(dtype)
 

@@ -17,8 +17,9 @@ it cannot be imported they are skipped with a note (the JSON lists them under "s
 Every run draws a progress bar on stderr (tqdm when installed, else one plain line). At the end:
 one table — mode, algorithm, workers, servers, final loss (mean cross-entropy over the whole
 training split), test accuracy, wall time of the training loop (process start-up excluded),
-samples/s, and the payload bytes one worker sends and receives per step — then a measured
-comparison in terms of the bytes through the busiest endpoint (a server's link vs a worker's).
+samples/s, and the payload bytes one worker sends and receives per step — then a comparison of
+this run's timings in terms of the bytes through the busiest endpoint (a server's link vs a
+worker's).
 Byte counts: allreduce = the Send/Recv ops of each bucket's schedule
 (``minicomm.algorithms.build_schedule``) x itemsize; PS = the gradients a worker pushes and the
 parameters it pulls; a server's share comes from the parameter server's sharding plan
@@ -260,8 +261,8 @@ def format_table(results: List[Dict[str, object]]) -> str:
 
 
 def comparison(results: List[Dict[str, object]]) -> List[str]:
-    """Two or three measured sentences: which architecture was faster here, and why, in terms of
-    the bytes through the busiest endpoint (a server's link vs a worker's)."""
+    """Two or three sentences on this run's timings: which architecture was faster here, and
+    why, in terms of the bytes through the busiest endpoint (a server's link vs a worker's)."""
     ar = [r for r in results if r["mode"] == "allreduce"]
     ps = [r for r in results if r["mode"].startswith("ps-")]
     if not ar or not ps:
@@ -277,7 +278,7 @@ def comparison(results: List[Dict[str, object]]) -> List[str]:
     verdict = ("allreduce" if ar_fast else "the parameter server") + " was faster here"
     if ratio < 1.10:
         verdict = "neither architecture was clearly faster here (within 10 %)"
-    lines = [f"Measured: {verdict}: {_label(best_ar)} {best_ar['samples_per_s']:,.0f} samples/s "
+    lines = [f"This run: {verdict}: {_label(best_ar)} {best_ar['samples_per_s']:,.0f} samples/s "
              f"vs {_label(best_ps)} {best_ps['samples_per_s']:,.0f} samples/s ({ratio:.2f}x)."]
     ar_bytes = best_ar["busiest_endpoint_bytes_per_step"]
     ps_bytes = sync_ps["busiest_endpoint_bytes_per_step"]

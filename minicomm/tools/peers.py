@@ -1,6 +1,6 @@
 """Peers for ``minicomm bench --peers``: the same calls through MPICH (mpi4py) and gloo (torch).
 
-Both run in the benchmark's own rank processes, on the same numpy buffers, interleaved batch by
+Both run in the benchmark's own rank processes, on the same numpy buffers, taking turns batch by
 batch with minicomm's algorithms. The MPI peer needs its ranks started by MPICH's ``mpiexec`` (the
 one the ``mpich`` wheel installs beside this interpreter): ``run_under_mpiexec`` starts them, and
 each also builds its minicomm communicator from the environment (``mc.init``), so one job carries

@@ -19,7 +19,7 @@ to measure again, best on an idle machine) and sends its values, and the tuned-t
 this world's transports, to every rank: the choice is identical on every rank even when their
 own measurements or files would differ. ``MINICOMM_TUNE=0`` measures nothing (the constants
 ``DEFAULT_LINKS``, ``GAMMA``, ``DELTA``, ``WAKE``; a tuned table is still followed). A corrupt
-cache file is ignored with a warning (and measured anew). The cache directory is
+cache file is ignored with a warning (and probed anew). The cache directory is
 ``$MINICOMM_CACHE_DIR``, else ``$XDG_CACHE_HOME/minicomm``, else ``~/.cache/minicomm``. Link
 cache format (JSON; seconds, seconds per byte)::
 
@@ -39,11 +39,11 @@ Tuned table API (for ``minicomm bench --tune``)::
                 i.e. the vector for broadcast / reduce / allreduce, one rank's input for
                 allgather / gather, one block (a 1/p of the input) for reduce_scatter / alltoall /
                 scatter. (nccl-tests' size is p times that for the block collectives.) Each is
-                rounded down to whole float32 elements (at least one); barrier is measured once,
+                rounded down to whole float32 elements (at least one); barrier is timed once,
                 at 0 bytes, whatever ``sizes`` says.
         Timing: float32 sum, root 0, each family called explicitly (so no table or env var
         decides); a batch is ``k`` back-to-back calls after a barrier, k chosen so a batch takes
-        ``batch_seconds`` (1..max_iters); one untimed batch each first; families are interleaved
+        ``batch_seconds`` (1..max_iters); one untimed batch each first; families take turns
         batch by batch (drift hits all alike); a batch's time is the slowest rank's; an entry's
         time is the median over ``batches`` batches. ``time_algorithms(comm, collective, bytes,
         algorithms, ...)`` does this for one size (any of FAMILIES and "auto") and returns
@@ -52,7 +52,7 @@ Tuned table API (for ``minicomm bench --tune``)::
                                              # same key are replaced), atomically; returns the path
     entries = load_table(path=None)          # [] when missing; a corrupt file: warning and []
 
-Table file format (JSON), one entry per measured (key, size)::
+Table file format (JSON), one entry per timed (key, size)::
 
     {"format": "minicomm-tune/1", "host": "box1",
      "entries": [{"collective": "allreduce", "world": 4, "topology": [0, 0, 0, 0],

@@ -69,7 +69,7 @@ def _read_json(path: str, fmt: str, what: str) -> Optional[Dict[str, Any]]:
 
 def load_links(path: Optional[str] = None) -> Dict[str, Any]:
     """The link cache: {"links": {name: {"alpha", "beta", "overhead"}}, "gamma", "delta", "wake"}
-    (missing keys: not measured yet). Invalid values make the whole file corrupt (warned,
+    (missing keys: not probed yet). Invalid values make the whole file corrupt (warned,
     ignored)."""
     path = path or links_path()
     obj = _read_json(path, LINKS_FORMAT, "link cache")
@@ -86,7 +86,7 @@ def load_links(path: Optional[str] = None) -> Dict[str, Any]:
             entry = {f: _field(f"links.{k}.{f}", v.get(f), _POSITIVE[f])
                      for f in _LINK_FIELDS if f in v or f not in _LATER_FIELDS}
             if len(entry) == len(_LINK_FIELDS):   # else written before a field existed:
-                links[str(k)] = entry             # that link is measured again
+                links[str(k)] = entry             # that link is probed again
         out: Dict[str, Any] = {"links": links}
         for k in _MACHINE_FIELDS:
             if k in obj:
@@ -97,8 +97,8 @@ def load_links(path: Optional[str] = None) -> Dict[str, Any]:
                 raise ValueError("memory rows are (bytes, delta, gamma, contention)")
         return out
     except (TypeError, ValueError) as e:
-        # ignored, so the link is measured again: a bad value must not fail every job
-        warnings.warn(f"minicomm: ignoring corrupt link cache {path} (it is measured again): {e}",
+        # ignored, so the link is probed again: a bad value must not fail every job
+        warnings.warn(f"minicomm: ignoring corrupt link cache {path} (it is probed again): {e}",
                       stacklevel=2)
         return {"links": {}}
 

@@ -1,4 +1,4 @@
-"""Calibration of the simulator's host machine against minicomm's own measured times.
+"""Calibration of the simulator's host machine against minicomm's own recorded times.
 
 Pure functions over recorded benchmark runs (``examples/sim_calibrate.py`` records them; it is
 what starts ranks): no process is started here, so a test can recompute the calibration table
@@ -6,20 +6,20 @@ from the committed raw runs through the *current* engine (``minicomm.cost.schedu
 ``minicomm.sim.engine.run_host``) and fail when a model change breaks it.
 
 A recorded run (one world size n, one transport) holds:
-  - ``memory``: this machine's memory by working set, measured just before the run
+  - ``memory``: this machine's memory by working set, probed just before the run
     (``minicomm.tuning.links.measure_memory``: δ, γ, contention of two copiers);
   - ``probe``: benchmark rows of a two-rank link sweep run just before it (broadcast and
     allgather, 8 B .. 4 MiB), from which ``fit_links`` fits the link's per-message CPU cost o,
     its latency, and (tcp) its per-byte cost β by least squares through the engine;
   - ``wake`` (the world start's probe), ``cores`` (sched_getaffinity), load averages;
-  - ``rows``: the measured benchmark rows (allreduce / allgather / broadcast, ring / tree / rhd).
+  - ``rows``: the timed benchmark rows (allreduce / allgather / broadcast, ring / tree / rhd).
 
 Estimator, the same for fitted and compared numbers: the fastest batch of each benchmark row
 (on a machine shared with other jobs, the batch least disturbed by them; every batch is the
 slowest rank's time per call). A row is predicted as the benchmark runs it: ``calls`` =
 min(the row's iterations per batch, ``MAX_CALLS``) calls back to back, time per call.
 
-Error of a row: predicted / measured - 1. Summary (``geomean_error``): exp(mean |ln(pred /
+Error of a row: predicted / timed - 1. Summary (``geomean_error``): exp(mean |ln(pred /
 meas)|) - 1, so a 2x over- and a 2x under-prediction both count as 100%.
 """
 from __future__ import annotations
@@ -96,7 +96,7 @@ def row_calls(row: Dict[str, Any]) -> int:
     return max(1, min(int(row.get("iters", 1)), MAX_CALLS))
 
 
-def measured(row: Dict[str, Any]) -> float:
+def row_time(row: Dict[str, Any]) -> float:
     """The row's figure: its fastest batch (module doc), seconds per call."""
     return min(row["batches_us"]) * 1e-6
 
@@ -121,7 +121,7 @@ def fit_links(probe_rows: Sequence[Dict[str, Any]], kind: str, memory: Sequence[
     if not rows:
         raise ValueError("no probe rows to fit")
     th = dict(START, **(start or {}))
-    meas = np.array([measured(r) for r in rows])
+    meas = np.array([row_time(r) for r in rows])
 
     def preds(t: Dict[str, float]) -> np.ndarray:
         m = _link_model(kind, t, wake, cores, memory, single_copy, small_bytes)
@@ -178,7 +178,7 @@ def _merged_memory(runs: Sequence[Dict[str, Any]]) -> List[List[float]]:
 
 
 def merge_rounds(raw: Dict[str, Any], fit: bool = True) -> List[Dict[str, Any]]:
-    """One cell per (transport, world size): the rounds' measured rows merged
+    """One cell per (transport, world size): the rounds' timed rows merged
     (``_merged_rows``), the memory table's δ and γ the fastest over rounds and its contention
     their median, wake the median. The link is one per transport: every run's probe is the same
     two-rank sweep, so all of a transport's probes (every world size and round) are merged and
@@ -219,7 +219,7 @@ def merge_rounds(raw: Dict[str, Any], fit: bool = True) -> List[Dict[str, Any]]:
 
 def calibration_rows(raw: Dict[str, Any], cells: Optional[List[Dict[str, Any]]] = None
                      ) -> List[Dict[str, Any]]:
-    """Every measured row of the recorded runs (rounds merged) with its prediction by the
+    """Every timed row of the recorded runs (rounds merged) with its prediction by the
     current engine, the links fitted by it too."""
     out = []
     for cell in cells if cells is not None else merge_rounds(raw):
@@ -227,10 +227,10 @@ def calibration_rows(raw: Dict[str, Any], cells: Optional[List[Dict[str, Any]]] 
         for r in cell["rows"]:
             if r["algo"] not in cost.FAMILIES:
                 continue
-            meas, pred = measured(r), predict_row(r, m)
+            meas, pred = row_time(r), predict_row(r, m)
             out.append({"transport": cell["transport"], "ranks": cell["ranks"],
                         "collective": r["collective"], "algorithm": r["algo"],
-                        "bytes": r["size"], "calls": row_calls(r), "measured_s": meas,
+                        "bytes": r["size"], "calls": row_calls(r), "timed_s": meas,
                         "median_s": statistics_median(r["medians_us"]) * 1e-6,
                         "predicted_s": pred, "error": pred / meas - 1})
     return out
@@ -257,9 +257,9 @@ def pick_rows(cells: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """What ``algorithm="auto"`` would have picked on the recorded runs, against what was
     fastest there: per cell (transport, world size), collective and size, the cost model's
     family (``cost.model_choice`` on the cell's fitted LinkModel, as a world without a tuned
-    table chooses) and the measured best of the recorded families. The estimator here is the
+    table chooses) and the fastest of the recorded families. The estimator here is the
     median over rounds of each round's median batch: a pick is judged by what a user's calls
-    usually take, not by one lucky batch. ``regret`` = measured(pick) / measured(best) >= 1."""
+    usually take, not by one lucky batch. ``regret`` = time(pick) / time(best) >= 1."""
     out = []
     for cell in cells:
         m = run_model(cell)
