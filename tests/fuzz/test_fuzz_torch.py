@@ -1,4 +1,4 @@
-"""Fuzz the torch adapter's inputs (minicomm/torch.py) on a live one-rank "minicomm" group:
+"""Fuzz the torch adapter's inputs (minicomm/torch/) on a live one-rank "minicomm" group:
 odd dtypes (bool, complex, half, bfloat16, unsigned, quantized-free exotic ones), 0-d, empty and
 non-contiguous tensors (transposed, strided slices, conjugate / negative views), tensors on the
 wrong device ("meta"), sparse ones, and lists of the wrong length or shape.

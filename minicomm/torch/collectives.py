@@ -1,0 +1,175 @@
+"""The bodies of the process group's collectives: each takes the communicator and arguments the
+group has already checked, and moves the tensors through minicomm. They run on the group's
+``CollectiveRunner`` (its worker thread, or the caller's for an inline call), one at a time.
+
+A reduction's ``ops`` are (minicomm op, PREMUL_SUM factor or None) pairs: a factor scales a copy
+of the input before the sum.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..communicator import Communicator
+from ..errors import MismatchError
+from .tensors import FlatView, np_dtype, pack, pieces, put, stack, unpack
+
+Op = Tuple[object, object]          # (minicomm op, PREMUL_SUM factor or None)
+Layout = Tuple[List[int], int]      # (rows per rank, elements per row)
+
+
+def allreduce(comm: Communicator, tensors: Sequence[torch.Tensor], ops: Sequence[Op]) -> None:
+    for t, (op, factor) in zip(tensors, ops):
+        b = FlatView(t)
+        if factor is not None:
+            b.array *= factor
+        comm.allreduce(b.array, op=op, out=b.array)
+        b.store()
+
+
+def allreduce_coalesced(comm: Communicator, by_dtype: Dict[np.dtype, List[torch.Tensor]],
+                        ops: Dict[np.dtype, Op]) -> None:
+    """One allreduce per dtype over that dtype's tensors packed end to end."""
+    for dt, ts in by_dtype.items():
+        op, factor = ops[dt]
+        flat = pack(ts, dt)
+        if factor is not None:
+            flat *= factor
+        comm.allreduce(flat, op=op, out=flat)
+        unpack(flat, ts)
+
+
+def broadcast(comm: Communicator, tensors: Sequence[torch.Tensor], root: int) -> None:
+    me = comm.rank
+    for t in tensors:
+        b = FlatView(t, load=me == root)
+        comm.broadcast(b.array, root=root, out=b.array)
+        if me != root:
+            b.store()
+
+
+def reduce(comm: Communicator, tensors: Sequence[torch.Tensor], root: int,
+           ops: Sequence[Op]) -> None:
+    me = comm.rank
+    for t, (op, factor) in zip(tensors, ops):
+        b = FlatView(t)
+        src = b.array * factor if factor is not None else b.array
+        comm.reduce(src, root=root, op=op, out=b.array if me == root else None)
+        if me == root:
+            b.store()
+
+
+def allgather(comm: Communicator, outputs: Sequence[Sequence[torch.Tensor]],
+              inputs: Sequence[torch.Tensor]) -> None:
+    for o, i in zip(outputs, inputs):
+        rows = comm.allgather(FlatView(i).array)
+        for t, row in zip(o, rows):
+            put(t, row)
+
+
+def all_gather_single(comm: Communicator, output: torch.Tensor, input: torch.Tensor) -> None:
+    bo = FlatView(output, load=False)
+    bi = FlatView(input)
+    comm.allgather(bi.array, out=bo.array.reshape(comm.size, -1))
+    bo.store()
+
+
+def reduce_scatter(comm: Communicator, outputs: Sequence[torch.Tensor],
+                   inputs: Sequence[Sequence[torch.Tensor]], ops: Sequence[Op]) -> None:
+    for o, i, (op, factor) in zip(outputs, inputs, ops):
+        block = stack(i, np_dtype(o))
+        if factor is not None:
+            block *= factor
+        bo = FlatView(o, load=False)
+        comm.reduce_scatter(block, op=op, out=bo.array)
+        bo.store()
+
+
+def reduce_scatter_single(comm: Communicator, output: torch.Tensor, input: torch.Tensor,
+                          reduction: Op) -> None:
+    op, factor = reduction
+    bi = FlatView(input)
+    src = bi.array * factor if factor is not None else bi.array
+    bo = FlatView(output, load=False)
+    comm.reduce_scatter(src.reshape(comm.size, -1), op=op, out=bo.array)
+    bo.store()
+
+
+def all_to_all_single(comm: Communicator, output: torch.Tensor, input: torch.Tensor,
+                      layouts: Optional[Tuple[Layout, Layout]]) -> None:
+    """``layouts`` None: equal splits, one alltoall. Else the (output, input) layouts, each
+    (rows per rank, elements per row): pairwise messages (``exchange``)."""
+    size = comm.size
+    bi = FlatView(input)
+    bo = FlatView(output, load=False)
+    if layouts is None:
+        comm.alltoall(bi.array.reshape(size, -1), out=bo.array.reshape(size, -1))
+    else:
+        (out_splits, out_row), (in_splits, in_row) = layouts
+        exchange(comm, pieces(bi.array, in_splits, in_row),
+                 pieces(bo.array, out_splits, out_row), "all_to_all_single")
+    bo.store()
+
+
+def alltoall(comm: Communicator, outputs: Sequence[torch.Tensor],
+             inputs: Sequence[torch.Tensor]) -> None:
+    """Tensors of one size as one alltoall; of several sizes as pairwise messages."""
+    if len({t.numel() for t in list(outputs) + list(inputs)}) == 1:
+        rows = comm.alltoall(stack(inputs, np_dtype(inputs[0])))
+        for t, row in zip(outputs, rows):
+            put(t, row)
+        return
+    send = [FlatView(t).array for t in inputs]
+    bufs = [FlatView(t, load=False) for t in outputs]
+    exchange(comm, send, [b.array for b in bufs], "alltoall")
+    for b in bufs:
+        b.store()
+
+
+def gather(comm: Communicator, outputs: Sequence[torch.Tensor], input: torch.Tensor,
+           root: int) -> None:
+    rows = comm.gather(FlatView(input).array, root=root)
+    if comm.rank == root:
+        for t, row in zip(outputs, rows):
+            put(t, row)
+
+
+def scatter(comm: Communicator, output: torch.Tensor, inputs: Sequence[torch.Tensor],
+            root: int) -> None:
+    bo = FlatView(output, load=False)
+    block = stack(inputs, np_dtype(output)) if comm.rank == root else None
+    comm.scatter(block, root=root, out=bo.array)
+    bo.store()
+
+
+def barrier(comm: Communicator) -> None:
+    comm.barrier()
+
+
+def nothing(comm: Communicator) -> None:
+    """The body of a work that only marks a place in the order (the end of coalescing)."""
+
+
+def exchange(comm: Communicator, send: Sequence[np.ndarray], recv: Sequence[np.ndarray],
+             what: str) -> None:
+    """Uneven all-to-all on ``comm``'s point-to-point context (worker thread only): every pair
+    exchanges one message, zero-length ones included, so a rank that expects a different size
+    than its peer sends is a MismatchError. Any failure breaks the communicator (this is a
+    collective: its messages must never be matched by a later one)."""
+    me, size = comm.rank, comm.size
+    try:
+        recvs = [comm.irecv(j, 0, out=recv[j]) for j in range(size)]
+        sends = [comm.isend(send[(me + k) % size], (me + k) % size, 0) for k in range(size)]
+        for w in sends:
+            w.wait()
+        for j, w in enumerate(recvs):
+            try:
+                w.wait()
+            except (ValueError, TypeError) as e:
+                raise MismatchError(f"{what}: rank {j} sent a block this rank did not expect "
+                                    f"(its split sizes disagree with ours): {e}") from None
+    except BaseException as e:
+        comm.abort(f"{what} failed: {type(e).__name__}: {e}")
+        raise
