@@ -31,8 +31,8 @@ a cross-node one returns None and calls ``done(status, result)`` later from the 
 Inbound events (imm / receive) are collected by ``pump`` from the rings and the agent's queue.
 
 Link emulation (``MINICOMM_EMULATE_LINK=1``): each operation first waits alpha + n/beta of the
-transport's illustrative ``LinkParams`` (rdma.LINK, ub.LINK) -- a sleep above 200 us, a short
-spin below (sleep cannot wait a microsecond) -- so code can feel a modelled link's latency.
+transport's illustrative ``LinkParams`` (rdma.LINK, ub.LINK) -- a sleep above ``_SLEEP_ABOVE_S``,
+a short spin below (sleep cannot wait a microsecond) -- so code can feel a modelled link's latency.
 """
 from __future__ import annotations
 
@@ -101,6 +101,7 @@ _RANKS_AT = 64                        # int64 index: ranks of the producers of o
 _WAKE, _ABORT, _BYE = b"\x01", b"\x00", b"\x02"
 _NOWAIT = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
 _ARENA_BYTES = byte_setting("MINICOMM_NIC_ARENA_BYTES", 1 << 30, minimum=1 << 20)
+_SLEEP_ABOVE_S = 200e-6               # an emulated link delay longer than this sleeps, else spins
 
 
 class LinkParams(NamedTuple):
@@ -248,8 +249,184 @@ class ArenaView:
             (self.q[qi + _LEN] if status == OK else 0)
 
 
-class Device:
-    """This process's simulated NIC (module doc). ``kind`` is "rdma" or "ub"."""
+class RegionRegistry:
+    """Registering memory, a part of ``Device``: regions carved out of this process's arena and
+    described in its region table, the protection table every access is checked against
+    (module doc, "Memory and protection")."""
+    kind: str
+    rank: int
+    arena: Optional[Arena]
+    _regions: Dict[int, Region]      # table entry index -> this process's handle
+    _gen: int                        # the generation part of the next key
+    _free: List[List[int]]           # the arena's free byte ranges, [offset, length]
+    _views: Dict[int, ArenaView]
+
+    def register(self, nbytes: int, access: int, token: int = 0, kind: int = 0,
+                 slot_bytes: int = 0, depth: int = 0) -> Region:
+        """Carve ``nbytes`` out of the arena and describe it in the region table."""
+        if nbytes < 0:
+            raise ValueError(f"region length must be >= 0, got {nbytes}")
+        idx = next((i for i in range(MAX_REGIONS) if i not in self._regions), None)
+        if idx is None:
+            raise CommError(f"{self.kind}: all {MAX_REGIONS} region table entries are in use")
+        length = max(nbytes, 1)
+        alloc = round_up(length)
+        for i, (off, n) in enumerate(self._free):
+            if n >= alloc:
+                break
+        else:
+            raise CommError(f"{self.kind}: no {alloc} bytes left in the {self.arena.size >> 20} "
+                            f"MiB arena (MINICOMM_NIC_ARENA_BYTES)")
+        self.arena.reserve(off, alloc)
+        if n == alloc:
+            del self._free[i]
+        else:
+            self._free[i] = [off + alloc, n - alloc]
+        self._gen = (self._gen + 1) & 0x3FFFFF
+        key = (self._gen << 10) | idx
+        va = VA_BASE + off
+        qi = (TABLE_OFF + idx * ENTRY) >> 3
+        q = self.arena.q
+        q[qi + _KEY], q[qi + _ACCESS], q[qi + _TOKEN] = key, access, _wrap(token)
+        q[qi + _OFF], q[qi + _LEN], q[qi + _VA], q[qi + _KIND] = off, nbytes, va, kind
+        q[qi + _POSTED] = q[qi + _CONSUMED] = 0
+        q[qi + _SLOT], q[qi + _DEPTH] = slot_bytes, depth
+        q[qi + _VALID] = 1            # last: the entry is complete before anyone can match it
+        r = Region(self, idx, key, access, _wrap(token), off, nbytes, va, kind, slot_bytes)
+        self._regions[idx] = r
+        return r
+
+    def deregister(self, region: Region) -> None:
+        if self._regions.get(region.index) is not region or self.arena is None:
+            return
+        qi = (TABLE_OFF + region.index * ENTRY) >> 3
+        self.arena.q[qi + _VALID] = 0
+        self.arena.q[qi + _KEY] = -1
+        del self._regions[region.index]
+        alloc = round_up(max(region.length, 1))
+        self.arena.release(region.offset, alloc)
+        self._free.append([region.offset, alloc])
+        self._free.sort()
+        merged: List[List[int]] = []
+        for off, n in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == off:
+                merged[-1][1] += n
+            else:
+                merged.append([off, n])
+        self._free = merged
+
+    def post_receive(self, region: Region, count: int = 1) -> None:
+        """A receive queue (kind 1) gets ``count`` more posted buffers."""
+        qi = (TABLE_OFF + region.index * ENTRY) >> 3
+        m = self._views[self.rank].mutex(region.index)
+        m.acquire()
+        try:
+            self.arena.q[qi + _POSTED] += count
+        finally:
+            m.release()
+
+
+class AgentProtocol:
+    """What the NIC agent thread (nicagent.py) calls, a part of ``Device``: requests of peers on
+    other nodes, executed against our memory and answered; answers, which complete our own
+    operations; and a peer's abort or goodbye."""
+    rank: int
+    arena: Optional[Arena]
+    agent: Optional[nicagent.NicAgent]
+    _views: Dict[int, ArenaView]
+    _pending: Dict[int, tuple]       # op id -> (peer, done, dst)
+    _events: deque                   # inbound events from the agent and loopback
+
+    def _notify(self) -> None:
+        """Wake this process's waiter (``Device``)."""
+        raise NotImplementedError
+
+    def on_closed(self, peer: int, reason: str) -> None:
+        """A peer's link ended (``Device``)."""
+        raise NotImplementedError
+
+    def on_header(self, conn, f):
+        if f.kind == nicagent.REQ:
+            own = self._views[self.rank]
+            token = None if f.token == -1 else f.token
+            if f.op in (OP_WRITE, OP_WRITE_IMM):
+                status, off, _ = own.check(f.key, f.addr, f.payload, REMOTE_WRITE, token)
+                slot = 0
+                if status == OK and f.op == OP_WRITE_IMM and f.b:
+                    status, _, slot = own.claim_receive(f.b, 0, None if f.a == -1 else f.a)
+                conn.state = (status, slot)
+                return self.arena.u8[off:off + f.payload] if status == OK else None
+            if f.op == OP_SEND:
+                status, off, slot = own.claim_receive(f.key, f.payload, token)
+                conn.state = (status, slot)
+                return self.arena.u8[off:off + f.payload] if status == OK else None
+            return None
+        if f.kind == nicagent.RESP:
+            pend = self._pending.get(f.op_id)
+            if pend is not None and pend[2] is not None and f.status == OK:
+                return pend[2].reshape(-1).view(np.uint8)
+            return None
+        # ABORT / BYE: the reason text (bounded: a longer one is dropped, not allocated)
+        conn.state = np.empty(min(f.payload, 1 << 16), dtype=np.uint8)
+        return conn.state if f.payload <= 1 << 16 else None
+
+    def on_frame(self, conn, f) -> None:
+        if f.kind == nicagent.REQ:
+            self._serve(conn.peer, conn, f)
+        elif f.kind == nicagent.RESP:
+            pend = self._pending.pop(f.op_id, None)
+            if pend is not None and pend[1] is not None:
+                result = (f.a, f.b) if f.op == OP_IMPORT else f.a
+                pend[1](f.status, result)
+                self._notify()
+        else:
+            reason = bytes(conn.state).decode(errors="replace") if f.payload else ""
+            self.on_closed(conn.peer, f"it aborted: {reason}" if f.kind == nicagent.ABORT
+                           else "it closed its transport (it finished)")
+
+    def _serve(self, peer: int, conn, f) -> None:
+        """Execute a request of a peer on another node against our memory, and answer it."""
+        own = self._views[self.rank]
+        token = None if f.token == -1 else f.token
+        op, status, a, b, payload, event = f.op, OK, 0, 0, None, None
+        if op in (OP_WRITE, OP_WRITE_IMM):
+            if f.payload:
+                status, slot = conn.state
+            else:
+                status, slot = own.check(f.key, f.addr, 0, REMOTE_WRITE, token)[0], 0
+                if status == OK and op == OP_WRITE_IMM and f.b:
+                    status, _, slot = own.claim_receive(f.b, 0, None if f.a == -1 else f.a)
+            if status == OK and op == OP_WRITE_IMM:
+                event = (peer, EV_IMM, f.channel, f.imm, f.nbytes, slot)
+        elif op == OP_SEND:
+            status, slot = conn.state if f.payload else own.claim_receive(f.key, 0, token)[::2]
+            if status == OK:
+                event = (peer, EV_RECV, f.channel, f.imm, f.nbytes, slot)
+            a = slot
+        elif op == OP_READ:
+            status, off, _ = own.check(f.key, f.addr, f.nbytes, REMOTE_READ, token)
+            if status == OK and f.nbytes:
+                payload = [self.arena.u8[off:off + f.nbytes]]
+        elif op in ATOMICS:
+            status, a = own.atomic(op, f.key, f.addr, f.a, f.b, token)
+        elif op == OP_IMPORT:
+            status, a, b = own.lookup(f.key, f.addr, f.nbytes, token)
+        else:
+            status = BAD_OP               # never a silent success for an unknown operation
+        frame = nicagent.pack(nicagent.RESP, op, f.channel, f.op_id, f.key, f.addr, f.nbytes,
+                              0, a, b, 0, status, f.nbytes if payload else 0)
+        self.agent.send(peer, frame, payload)
+        if event is not None:
+            # after the answer is queued: once our application sees the event it may finish
+            # and say goodbye, which must not overtake the answer
+            self._events.append(event)
+            self._notify()
+
+
+class Device(RegionRegistry, AgentProtocol):
+    """This process's simulated NIC (module doc). ``kind`` is "rdma" or "ub": its setup, paths
+    and lifetime here; registering memory in ``RegionRegistry``, the agent's requests and
+    answers in ``AgentProtocol``."""
 
     def __init__(self, kind: str, rank: int, store, job_id: str, token: bytes, peers,
                  local_peers, deadline: float, bind_host: str, progress, link: LinkParams):
@@ -369,71 +546,6 @@ class Device:
         self._views[p] = ArenaView(arena, p)
         self._flag_q[p] = arena.q
 
-    # ------------------------------------------------------------------------ memory
-    def register(self, nbytes: int, access: int, token: int = 0, kind: int = 0,
-                 slot_bytes: int = 0, depth: int = 0) -> Region:
-        """Carve ``nbytes`` out of the arena and describe it in the region table."""
-        if nbytes < 0:
-            raise ValueError(f"region length must be >= 0, got {nbytes}")
-        idx = next((i for i in range(MAX_REGIONS) if i not in self._regions), None)
-        if idx is None:
-            raise CommError(f"{self.kind}: all {MAX_REGIONS} region table entries are in use")
-        length = max(nbytes, 1)
-        alloc = round_up(length)
-        for i, (off, n) in enumerate(self._free):
-            if n >= alloc:
-                break
-        else:
-            raise CommError(f"{self.kind}: no {alloc} bytes left in the {self.arena.size >> 20} "
-                            f"MiB arena (MINICOMM_NIC_ARENA_BYTES)")
-        self.arena.reserve(off, alloc)
-        if n == alloc:
-            del self._free[i]
-        else:
-            self._free[i] = [off + alloc, n - alloc]
-        self._gen = (self._gen + 1) & 0x3FFFFF
-        key = (self._gen << 10) | idx
-        va = VA_BASE + off
-        qi = (TABLE_OFF + idx * ENTRY) >> 3
-        q = self.arena.q
-        q[qi + _KEY], q[qi + _ACCESS], q[qi + _TOKEN] = key, access, _wrap(token)
-        q[qi + _OFF], q[qi + _LEN], q[qi + _VA], q[qi + _KIND] = off, nbytes, va, kind
-        q[qi + _POSTED] = q[qi + _CONSUMED] = 0
-        q[qi + _SLOT], q[qi + _DEPTH] = slot_bytes, depth
-        q[qi + _VALID] = 1            # last: the entry is complete before anyone can match it
-        r = Region(self, idx, key, access, _wrap(token), off, nbytes, va, kind, slot_bytes)
-        self._regions[idx] = r
-        return r
-
-    def deregister(self, region: Region) -> None:
-        if self._regions.get(region.index) is not region or self.arena is None:
-            return
-        qi = (TABLE_OFF + region.index * ENTRY) >> 3
-        self.arena.q[qi + _VALID] = 0
-        self.arena.q[qi + _KEY] = -1
-        del self._regions[region.index]
-        alloc = round_up(max(region.length, 1))
-        self.arena.release(region.offset, alloc)
-        self._free.append([region.offset, alloc])
-        self._free.sort()
-        merged: List[List[int]] = []
-        for off, n in self._free:
-            if merged and merged[-1][0] + merged[-1][1] == off:
-                merged[-1][1] += n
-            else:
-                merged.append([off, n])
-        self._free = merged
-
-    def post_receive(self, region: Region, count: int = 1) -> None:
-        """A receive queue (kind 1) gets ``count`` more posted buffers."""
-        qi = (TABLE_OFF + region.index * ENTRY) >> 3
-        m = self._views[self.rank].mutex(region.index)
-        m.acquire()
-        try:
-            self.arena.q[qi + _POSTED] += count
-        finally:
-            m.release()
-
     def is_local(self, peer: int) -> bool:
         return peer == self.rank or peer in self._views
 
@@ -551,89 +663,12 @@ class Device:
     def _delay(self, nbytes: int) -> None:
         wait = self.link.cost(nbytes)
         until = time.perf_counter() + wait
-        if wait > 200e-6:
+        if wait > _SLEEP_ABOVE_S:
             time.sleep(wait)
         while time.perf_counter() < until:
             pass
 
-    # ------------------------------------------------------------------ the agent's handler
-    def on_header(self, conn, f):
-        if f.kind == nicagent.REQ:
-            own = self._views[self.rank]
-            token = None if f.token == -1 else f.token
-            if f.op in (OP_WRITE, OP_WRITE_IMM):
-                status, off, _ = own.check(f.key, f.addr, f.payload, REMOTE_WRITE, token)
-                slot = 0
-                if status == OK and f.op == OP_WRITE_IMM and f.b:
-                    status, _, slot = own.claim_receive(f.b, 0, None if f.a == -1 else f.a)
-                conn.state = (status, slot)
-                return self.arena.u8[off:off + f.payload] if status == OK else None
-            if f.op == OP_SEND:
-                status, off, slot = own.claim_receive(f.key, f.payload, token)
-                conn.state = (status, slot)
-                return self.arena.u8[off:off + f.payload] if status == OK else None
-            return None
-        if f.kind == nicagent.RESP:
-            pend = self._pending.get(f.op_id)
-            if pend is not None and pend[2] is not None and f.status == OK:
-                return pend[2].reshape(-1).view(np.uint8)
-            return None
-        # ABORT / BYE: the reason text (bounded: a longer one is dropped, not allocated)
-        conn.state = np.empty(min(f.payload, 1 << 16), dtype=np.uint8)
-        return conn.state if f.payload <= 1 << 16 else None
-
-    def on_frame(self, conn, f) -> None:
-        if f.kind == nicagent.REQ:
-            self._serve(conn.peer, conn, f)
-        elif f.kind == nicagent.RESP:
-            pend = self._pending.pop(f.op_id, None)
-            if pend is not None and pend[1] is not None:
-                result = (f.a, f.b) if f.op == OP_IMPORT else f.a
-                pend[1](f.status, result)
-                self._notify()
-        else:
-            reason = bytes(conn.state).decode(errors="replace") if f.payload else ""
-            self.on_closed(conn.peer, f"it aborted: {reason}" if f.kind == nicagent.ABORT
-                           else "it closed its transport (it finished)")
-
-    def _serve(self, peer: int, conn, f) -> None:
-        """Execute a request of a peer on another node against our memory, and answer it."""
-        own = self._views[self.rank]
-        token = None if f.token == -1 else f.token
-        op, status, a, b, payload, event = f.op, OK, 0, 0, None, None
-        if op in (OP_WRITE, OP_WRITE_IMM):
-            if f.payload:
-                status, slot = conn.state
-            else:
-                status, slot = own.check(f.key, f.addr, 0, REMOTE_WRITE, token)[0], 0
-                if status == OK and op == OP_WRITE_IMM and f.b:
-                    status, _, slot = own.claim_receive(f.b, 0, None if f.a == -1 else f.a)
-            if status == OK and op == OP_WRITE_IMM:
-                event = (peer, EV_IMM, f.channel, f.imm, f.nbytes, slot)
-        elif op == OP_SEND:
-            status, slot = conn.state if f.payload else own.claim_receive(f.key, 0, token)[::2]
-            if status == OK:
-                event = (peer, EV_RECV, f.channel, f.imm, f.nbytes, slot)
-            a = slot
-        elif op == OP_READ:
-            status, off, _ = own.check(f.key, f.addr, f.nbytes, REMOTE_READ, token)
-            if status == OK and f.nbytes:
-                payload = [self.arena.u8[off:off + f.nbytes]]
-        elif op in ATOMICS:
-            status, a = own.atomic(op, f.key, f.addr, f.a, f.b, token)
-        elif op == OP_IMPORT:
-            status, a, b = own.lookup(f.key, f.addr, f.nbytes, token)
-        else:
-            status = BAD_OP               # never a silent success for an unknown operation
-        frame = nicagent.pack(nicagent.RESP, op, f.channel, f.op_id, f.key, f.addr, f.nbytes,
-                              0, a, b, 0, status, f.nbytes if payload else 0)
-        self.agent.send(peer, frame, payload)
-        if event is not None:
-            # after the answer is queued: once our application sees the event it may finish
-            # and say goodbye, which must not overtake the answer
-            self._events.append(event)
-            self._notify()
-
+    # ------------------------------------------------------------------- peers ending
     def link_reason(self, peer: int) -> Optional[str]:
         """Why the link to ``peer`` ended, as soon as its agent connection recorded it (before
         ``on_closed`` has run), or None while it is up."""

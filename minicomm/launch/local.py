@@ -268,116 +268,158 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
     job_id = secrets.token_hex(6)
     token = secrets.token_bytes(32)
     server = StoreServer("127.0.0.1", 0, token)
-    procs: List[subprocess.Popen] = []
-    sel = selectors.DefaultSelector()
-    stop = {"signal": None}
+    job = _LocalJob(nprocs, out)
 
     def on_signal(signum, frame):
-        stop["signal"] = signum
+        job.stop_signal = signum
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    exit_code = 0
     try:
         for rank in range(nprocs):
-            node = topology[rank]
-            same = [r for r in range(nprocs) if topology[r] == node]
-            env = dict(os.environ, MINICOMM_RANK=str(rank), MINICOMM_SIZE=str(nprocs),
-                       MINICOMM_LOCAL_RANK=str(same.index(rank)), MINICOMM_LOCAL_SIZE=str(len(same)),
-                       MINICOMM_NODE=str(node), MINICOMM_NUM_NODES=str(nodes),
-                       MINICOMM_HOST=socket.gethostname(),    # the nodes are emulated: one host
-                       MINICOMM_MASTER_ADDR="127.0.0.1", MINICOMM_MASTER_PORT=str(server.port),
-                       MINICOMM_JOB_TOKEN=token.hex(), MINICOMM_JOB_ID=job_id,
-                       MINICOMM_TRANSPORT=transport, PYTHONUNBUFFERED="1",
-                       MINICOMM_LAUNCHER_PID=str(os.getpid()))
-            if timeout is not None:
-                env["MINICOMM_TIMEOUT"] = str(timeout)
+            env = _rank_env(rank, topology, nodes, server.port, token, job_id, transport, timeout)
             # through the lifeline: the rank gets SIGTERM if this launcher dies, even by SIGKILL
-            p = subprocess.Popen([python, "-S", "-c", EXEC_UNDER_LIFELINE, str(os.getpid()),
-                                  python] + list(argv), stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, env=env, start_new_session=True)
-            procs.append(p)
-            for stream in (p.stdout, p.stderr):
-                sel.register(stream, selectors.EVENT_READ, (rank, stream, bytearray()))
-        open_streams = 2 * nprocs
-        closed: Dict[int, int] = {}      # rank -> order in which its output first ended
-        drained: Dict[int, int] = {r: 0 for r in range(nprocs)}   # rank -> streams at EOF
-        last_error: Dict[int, bytes] = {}  # rank -> its last stderr line at column 0
-        failed_at = None
-        first_death_at = None
-        dead_since: Dict[int, float] = {}
-        while open_streams or any(p.poll() is None for p in procs):
-            if stop["signal"] is not None and failed_at is None:
-                failed_at = time.monotonic()
-                exit_code = 128 + stop["signal"]
-                for p in procs:
-                    _signal_group(p, signal.SIGTERM)
-            if failed_at is not None and time.monotonic() > failed_at + FAILURE_GRACE:
-                for p in procs:
-                    _signal_group(p, signal.SIGKILL)
-            for key, _ in sel.select(0.2):
-                rank, stream, pending = key.data
-                data = os.read(stream.fileno(), 65536)
-                if not data:
-                    if pending:
-                        out.write(b"[%d] " % rank + bytes(pending) + b"\n")
-                    sel.unregister(stream)
-                    open_streams -= 1
-                    drained[rank] += 1
-                    closed.setdefault(rank, len(closed))
-                    continue
-                pending += data
-                *lines, rest = bytes(pending).split(b"\n")
-                pending[:] = rest
-                for line in lines:
-                    out.write(b"[%d] " % rank + line + b"\n")
-                    if stream is procs[rank].stderr and line[:1].strip():
-                        last_error[rank] = line    # an exception's line, not a frame or note
-                out.flush()
-            # The first rank to fail is the root cause; the others may only have lost it. Ranks
-            # found dead in one pass are ordered by when their output ended (the epoll ready
-            # list keeps that order), not by rank. A rank that died of a PeerFailure (its last
-            # error line says so) only lost a peer: while the peer that failed first may still
-            # be on its way out, the verdict waits for it (bounded by the grace period), so the
-            # cause is named, not the first of its casualties to exit.
-            now = time.monotonic()
-            for r, p in enumerate(procs):
-                if p.poll() not in (None, 0):
-                    dead_since.setdefault(r, now)
-            # read to the end first (its last error line), unless a child of it holds the pipes
-            dead = [(closed.get(r, len(procs)), r) for r, t in dead_since.items()
-                    if drained[r] == 2 or now >= t + FAILURE_GRACE]
-            if dead and failed_at is None:
-                if first_death_at is None:
-                    first_death_at = now
-                ordered = [r for _, r in sorted(dead)]
-                causes = [r for r in ordered
-                          if not last_error.get(r, b"").startswith(b"minicomm.errors.PeerFailure")]
-                everyone_done = all(p.poll() is not None for p in procs)
-                if causes or everyone_done or now >= first_death_at + FAILURE_GRACE:
-                    rank = (causes or ordered)[0]
-                    rc = procs[rank].poll()
-                    failed_at = now
-                    exit_code = rc if rc > 0 else 128 - rc
-                    msg = f"minicomm run: rank {rank} exited with status {rc}; ending the job\n"
-                    out.write(msg.encode())
-                    out.flush()
-                    for q in procs:
-                        if q.poll() is None:
-                            _signal_group(q, signal.SIGTERM)
-            if not open_streams and all(p.poll() is not None for p in procs):
-                break
-        return exit_code
+            job.start(rank, [python, "-S", "-c", EXEC_UNDER_LIFELINE, str(os.getpid()),
+                             python] + list(argv), env)
+        return job.supervise()
     finally:
-        for p in procs:
-            if p.poll() is None:
-                _signal_group(p, signal.SIGKILL)
-            p.wait()
-        sel.close()
+        job.end()
         for s, h in old.items():
             signal.signal(s, h)
         server.close()
         _sweep(job_id)
 
+
+def _rank_env(rank: int, topology: Sequence[int], nodes: int, port: int, token: bytes,
+              job_id: str, transport: str, timeout: Optional[float]) -> Dict[str, str]:
+    """The environment ``mc.init`` reads in rank ``rank`` of a ``run_local`` job."""
+    nprocs = len(topology)
+    node = topology[rank]
+    same = [r for r in range(nprocs) if topology[r] == node]
+    env = dict(os.environ, MINICOMM_RANK=str(rank), MINICOMM_SIZE=str(nprocs),
+               MINICOMM_LOCAL_RANK=str(same.index(rank)), MINICOMM_LOCAL_SIZE=str(len(same)),
+               MINICOMM_NODE=str(node), MINICOMM_NUM_NODES=str(nodes),
+               MINICOMM_HOST=socket.gethostname(),    # the nodes are emulated: one host
+               MINICOMM_MASTER_ADDR="127.0.0.1", MINICOMM_MASTER_PORT=str(port),
+               MINICOMM_JOB_TOKEN=token.hex(), MINICOMM_JOB_ID=job_id,
+               MINICOMM_TRANSPORT=transport, PYTHONUNBUFFERED="1",
+               MINICOMM_LAUNCHER_PID=str(os.getpid()))
+    if timeout is not None:
+        env["MINICOMM_TIMEOUT"] = str(timeout)
+    return env
+
+
+class _LocalJob:
+    """The ranks of one ``run_local`` job: their output, relayed line by line with a ``[rank]``
+    prefix, and the verdict when one fails (which rank is the cause, the exit status)."""
+
+    def __init__(self, nprocs: int, out):
+        self.out = out
+        self.procs: List[subprocess.Popen] = []
+        self.sel = selectors.DefaultSelector()
+        self.stop_signal: Optional[int] = None   # SIGINT / SIGTERM received by the launcher
+        self.exit_code = 0
+        self.open_streams = 0
+        self.closed: Dict[int, int] = {}      # rank -> order in which its output first ended
+        self.drained: Dict[int, int] = {r: 0 for r in range(nprocs)}   # rank -> streams at EOF
+        self.last_error: Dict[int, bytes] = {}  # rank -> its last stderr line at column 0
+        self.failed_at: Optional[float] = None
+        self.first_death_at: Optional[float] = None
+        self.dead_since: Dict[int, float] = {}
+
+    def start(self, rank: int, cmd: List[str], env: Dict[str, str]) -> None:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                             start_new_session=True)
+        self.procs.append(p)
+        for stream in (p.stdout, p.stderr):
+            self.sel.register(stream, selectors.EVENT_READ, (rank, stream, bytearray()))
+        self.open_streams += 2
+
+    def supervise(self) -> int:
+        """Relay output until every rank has exited and its output ended; end the job on a
+        signal or a failure (SIGTERM, then SIGKILL after the grace period). The exit status."""
+        procs = self.procs
+        while self.open_streams or any(p.poll() is None for p in procs):
+            if self.stop_signal is not None and self.failed_at is None:
+                self.failed_at = time.monotonic()
+                self.exit_code = 128 + self.stop_signal
+                for p in procs:
+                    _signal_group(p, signal.SIGTERM)
+            if self.failed_at is not None and time.monotonic() > self.failed_at + FAILURE_GRACE:
+                for p in procs:
+                    _signal_group(p, signal.SIGKILL)
+            self.relay(0.2)
+            self.judge()
+            if not self.open_streams and all(p.poll() is not None for p in procs):
+                break
+        return self.exit_code
+
+    def relay(self, timeout: float) -> None:
+        """Copy what the ranks wrote within ``timeout`` to ``out``, whole lines, prefixed."""
+        out = self.out
+        for key, _ in self.sel.select(timeout):
+            rank, stream, pending = key.data
+            data = os.read(stream.fileno(), 65536)
+            if not data:
+                if pending:
+                    out.write(b"[%d] " % rank + bytes(pending) + b"\n")
+                self.sel.unregister(stream)
+                self.open_streams -= 1
+                self.drained[rank] += 1
+                self.closed.setdefault(rank, len(self.closed))
+                continue
+            pending += data
+            *lines, rest = bytes(pending).split(b"\n")
+            pending[:] = rest
+            for line in lines:
+                out.write(b"[%d] " % rank + line + b"\n")
+                if stream is self.procs[rank].stderr and line[:1].strip():
+                    self.last_error[rank] = line    # an exception's line, not a frame or note
+            out.flush()
+
+    def judge(self) -> None:
+        """Once a rank has died: name the cause, set the exit status and end the others.
+
+        The first rank to fail is the root cause; the others may only have lost it. Ranks
+        found dead in one pass are ordered by when their output ended (the epoll ready list
+        keeps that order), not by rank. A rank that died of a PeerFailure (its last error line
+        says so) only lost a peer: while the peer that failed first may still be on its way
+        out, the verdict waits for it (bounded by the grace period), so the cause is named,
+        not the first of its casualties to exit."""
+        procs = self.procs
+        now = time.monotonic()
+        for r, p in enumerate(procs):
+            if p.poll() not in (None, 0):
+                self.dead_since.setdefault(r, now)
+        # read to the end first (its last error line), unless a child of it holds the pipes
+        dead = [(self.closed.get(r, len(procs)), r) for r, t in self.dead_since.items()
+                if self.drained[r] == 2 or now >= t + FAILURE_GRACE]
+        if not dead or self.failed_at is not None:
+            return
+        if self.first_death_at is None:
+            self.first_death_at = now
+        ordered = [r for _, r in sorted(dead)]
+        causes = [r for r in ordered
+                  if not self.last_error.get(r, b"").startswith(b"minicomm.errors.PeerFailure")]
+        everyone_done = all(p.poll() is not None for p in procs)
+        if causes or everyone_done or now >= self.first_death_at + FAILURE_GRACE:
+            rank = (causes or ordered)[0]
+            rc = procs[rank].poll()
+            self.failed_at = now
+            self.exit_code = rc if rc > 0 else 128 - rc
+            msg = f"minicomm run: rank {rank} exited with status {rc}; ending the job\n"
+            self.out.write(msg.encode())
+            self.out.flush()
+            for q in procs:
+                if q.poll() is None:
+                    _signal_group(q, signal.SIGTERM)
+
+    def end(self) -> None:
+        """Kill what still runs (its whole session) and reap every rank."""
+        for p in self.procs:
+            if p.poll() is None:
+                _signal_group(p, signal.SIGKILL)
+            p.wait()
+        self.sel.close()
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
     try:
