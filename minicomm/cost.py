@@ -26,44 +26,32 @@ How auto picks a family for (collective, world size p, message bytes, topology):
 
 The simulator (``schedule_time`` / ``simulate``) is the simulator engine's (minicomm.sim.engine,
 the same engine ``minicomm sim`` runs clusters on): the schedules are compiled by it and run on
-its host machine (``run_host``; ``host_model`` maps a LinkModel onto it). Each rank is a process
-that works on a CPU or waits, and runs its steps as the executor does: local ops (Copy δ, Reduce γ per byte) and posting
-its receives (o each); its sends, eager (shm rings and socket buffers take them): o plus the
-copy-in, β/2 per byte, the message visible to its receiver ``lat`` = α - 3o after its first piece
-(shm: 1 MiB records; so small messages are store-and-forward, large ones pipelined); then its
-receives in arrival order: o plus the copy-out, β/2 per byte (a reducing receive max(β/2, γ): it
-reduces straight out of the landing memory), the last piece no earlier than the sender copied it
-in. FIFO matching per pair. A waiting rank spins for the model's ``spin``, then sleeps: the
-message that wakes it costs ``wake`` more when the rank has a core to itself (an idle core must be
-woken). A node's ranks share its ``cores`` (processor sharing among working and spinning ranks,
-at the busiest core's pace for a piece of work shorter than ``BALANCE_S``: 3 ranks on 2 cores
-run two to a core; a longer one at the fair share, 2/3 of a core each; work on a shared core is
-``SHARING_LOSS`` less efficient; k ranks working at once slow each other down by
-1 + contention·(k-1): shared memory bandwidth, or virtual CPUs that are not independent), so an
-algorithm that keeps few ranks busy at once (tree) is costed as it runs; ``background``
-runnable threads of other processes per rank share the cores too (a loaded machine), and
-every call costs each rank ``call_overhead`` of CPU. The call's time is the last rank's end
-(``calls`` > 1: calls back to back, as a benchmark batch runs them, time per call). A rooted
-call (broadcast, reduce, gather, scatter) carries the communicator's lazy call check: every rank
-sends its 24-byte fingerprint to every other first and receives theirs last
-(``engine.guarded_program``). Schedules are
-built with 4-byte elements (auto sees bytes, not the dtype).
+its host machine (``engine.run_host``, minicomm.sim.host: each rank a process that works on a CPU
+or waits, its node's cores shared among its ranks; the timing rules are that module's docstring).
+``host_model`` maps a LinkModel onto it: α, β, o per link class, γ, δ, wake, contention, cores,
+spin, and the fitted constants of sim/host_model.json (``SHARING_LOSS``, ``SHARING_LOSS_DRAM``,
+``BALANCE_S``, ``LATENCY_CPU_SHARED``, ``YIELD_SHARE``; their provenance and calibration error:
+docs/decisions/host-model-constants.md). The call's time is the last rank's end (``calls`` > 1:
+calls back to back, as a benchmark batch runs them, time per call). A rooted call (broadcast,
+reduce, gather, scatter) carries the communicator's lazy call check: every rank sends its
+24-byte fingerprint to every other first and receives theirs last (``engine.guarded_program``).
+Schedules are built with 4-byte elements (auto sees bytes, not the dtype).
 
-Memory by working set (``LinkModel.memory``, measured by ``minicomm.tuning.links.
-measure_memory``): δ, γ and contention of the call's buffer size (a 64 KiB copy runs from the
-caches, several times faster than a 64 MiB one); with it, shm's β is exactly its two copies
+Memory by working set (``LinkModel.memory``, probed by ``minicomm.tuning.links.
+measure_memory``): δ, γ and contention of the call's buffer size (a small copy runs from the
+caches, several times faster than a large one); with it, shm's β is exactly its two copies
 (``COPY_TRANSPORTS``: the sender's copy into the ring, the receiver's copy or reduction out);
 each copy touches the user's buffer and the ring (``RING_BYTES``, cache-resident), so β is
 δ(working set) + δ(ring). ``single_copy``: from that many bytes, a non-reducing call's intra-node
 messages are one read by the receiver at δ(working set) (shm's cross-memory attach), and the
-sender's step ends when it has been read. tcp's β is the fitted (measured) one
-plus how much slower than a cache-resident copy the kernel's copies of the call's buffer are.
+sender's step ends when it has been read. tcp's β is the fitted one plus how much slower than a
+cache-resident copy the kernel's copies of the call's buffer are.
 
 Link parameters (``LinkModel``): per link class (intra-node, inter-node) α (one exchange step), β
 (s/byte) and o (CPU per message operation); γ (in-place add, s/byte of array), δ (memcpy), wake,
 contention, the node's cores and the transports' spin before sleeping; ``table``, the tuned
 table's lookup (``table_index`` of ``minicomm.tuning.load_table``'s entries). Without a
-measurement, ``LinkModel.for_transports`` gives the constants ``DEFAULT_LINKS``, ``GAMMA``,
+probe, ``LinkModel.for_transports`` gives the constants ``DEFAULT_LINKS``, ``GAMMA``,
 ``DELTA``, ``WAKE``. Transport facts the model mirrors (``PIPELINE_CHUNK``, ``RING_BYTES``) are
 constants here, not imports (the transports are not below this layer); a test keeps them equal.
 The spin times (``SPIN_S``, the long spin for large messages and ``SPIN_SHARED_S``) are shared
@@ -72,10 +60,10 @@ the engine spins longer (``SPIN_SHARED_S``) but yields the core between polls; t
 as long there, the spinner holding ``YIELD_SHARE`` of a core, and charges such a node's
 sleepers no wake-up (the engine's ``shared`` nodes).
 
-Cost: ``choose`` is one dict lookup after the first call per (collective, p, bytes, topology)
-(~0.5 us); a first call simulates every family's p schedules: ~2 ms at p = 4, ~45 ms at p = 16
-(host machine), ~0.2 s at p = 64 and ~1.5 s at p = 256 per new size class (flow model; four
-classes per octave, so a training loop's few bucket sizes pay it once each).
+Cost: ``choose`` is one dict lookup after the first call per (collective, p, bytes, topology); a
+first call simulates every family's p schedules on the host machine (p <= ``SIM_MAX_RANKS``) or
+prices them on the flow model once per size class (four per octave, so a training loop's few
+bucket sizes pay it once each); its cost by world size: docs/decisions/cost-model-auto-choice.md.
 """
 from __future__ import annotations
 
@@ -91,7 +79,7 @@ from .algorithms import FAMILIES
 from .schedule import COLLECTIVES, ROOTED
 from .settings import SPIN_BYTES_PER_S, SPIN_MAX_S, SPIN_S, SPIN_SHARED_S
 from .sim import engine
-from .sim.engine import HostLink, HostModel
+from .sim.host import HostLink, HostModel, fitted_constants
 
 # Defaults for MINICOMM_TUNE=0 (and before agreement): α = cost of one communicating step (s),
 # bytes/s, o = CPU per message operation (s).
@@ -108,14 +96,8 @@ WAKE = 60e-6          # extra latency of a message to a rank asleep in the kerne
 
 ITEMSIZE = 4               # auto sees bytes; schedules are built with float32-sized elements
 SIM_MAX_RANKS = 16         # simulate up to this many ranks (a few ms per new size), formulas above
-# Families whose prices are this close to the cheapest count as tied, and the tie goes to the one
-# with the fewest messages at its busiest rank. Why: the model's per-message CPU (o) is fitted to
-# 8-byte calls, and a large record costs more than that (a 128 KiB one 5-10 us of CPU per side on
-# the 2-core VM, against an o of 1.4 us), so where two families differ by less than that error
-# the one with fewer messages is the safer pick. Measured: on the recorded calibration runs
-# (tuning.calibration.pick_rows) the regret is 1.045 either way; on 49 newer interleaved cases,
-# 1.062 -> 1.040, chiefly n=2 broadcast from 256 KiB, where one record (tree) beat eight
-# segments (ring) by 1.5x while the model put them within 3-4%.
+# Families priced this close to the cheapest are tied, and the tie goes to the fewest messages at
+# the busiest rank (o is fitted to small calls): docs/decisions/cost-model-auto-choice.md
 NEAR = 0.05
 # A receiver sees a message piece by piece: shm publishes records of up to 1 MiB (transports/
 # shm.py CHUNK), a socket delivers what has arrived.
@@ -124,11 +106,9 @@ PIPELINE_CHUNK = {"shm": 1 << 20}
 # peers): each of its two copies touches the user's buffer and the ring, which stays in cache.
 RING_BYTES = {"shm": 4 << 20}
 # shm's single-copy reads (transports/cma.py DEFAULT_MIN; a world's LinkModel carries the size
-# its pairs' setup probes chose, 256 KiB or 16 MiB, and this is only the fallback): a
-# non-reducing call's messages this large are read by the receiver straight from the sender's
-# memory, where the kernel allows it, at the pace of a memcpy of the call's working set
-# (process_vm_readv measured on the VM where it keeps up: ~23 GB/s at 512 KiB, about δ(1 MiB); a
-# 64 MiB tree broadcast, one read, 9.9 ms, about δ(64 MiB)).
+# its pairs' setup probes chose, and this is only the fallback): a non-reducing call's messages
+# this large are read by the receiver straight from the sender's memory, where the kernel allows
+# it, at the pace of a memcpy of the call's working set: docs/decisions/shm-single-copy-threshold.md
 SINGLE_COPY_MIN = {"shm": 256 << 10}
 # The small-message path (minicomm.smallpath) runs a call whose every message is at most this
 # large (the transport's ``small_bytes``: one shm ring record, a chunk) without the executor's
@@ -136,51 +116,30 @@ SINGLE_COPY_MIN = {"shm": 256 << 10}
 # world over several transports run through the executor (``LinkModel.exec_overhead``).
 SMALL_BYTES = {"shm": 1 << 20}
 STREAM_CHUNK = 64 << 10
+# The host model's fitted constants (sim/host_model.json, with their provenance): tuned on one
+# 2-core VM against recorded runs, docs/decisions/host-model-constants.md.
+HOST_MODEL_FIT = fitted_constants()
+
+
+def _fitted(name: str) -> float:
+    return float(HOST_MODEL_FIT["constants"][name]["value"])
+
+
 # Work on a core shared by several ranks runs at share / (1 + SHARING_LOSS * (1 - share)): time
-# slicing costs switches and cache refills. Fitted on the 2-core reference box (4 ranks on 2
-# cores: any value in 0.5..2 makes the model pick the measured best); not measured at start.
-SHARING_LOSS = 1.0
-# Part of that loss is cache refills, which a working set that runs from DRAM anyway does not
-# pay: with a measured memory table the loss falls linearly with δ(working set) from
-# SHARING_LOSS where copies run at cache speed (the table's fastest δ) to SHARING_LOSS *
-# SHARING_LOSS_DRAM at the table's largest working set (sharing_loss_at). Fitted with
-# BALANCE_S below: on the recorded calibration runs error 26.3% -> 25.9% and regret 1.023 ->
-# 1.026 (4 -> 5 picks above 1.10); on 48 newer interleaved cases regret 1.040 -> 1.028 (6 -> 4),
-# chiefly the n=4 reduce_scatter at 16-64 MiB (tree picked, 1.17-1.51 slower than ring or rhd).
-# With 0: error 28.3%, regrets 1.029 and 1.029; with 0.75 those picks stay as they were.
-SHARING_LOSS_DRAM = 0.5
-# Where a node's busy ranks do not divide evenly among its cores (3 on 2), a piece of work
-# shorter than this runs at the busiest core's pace (two ranks to a core), a longer one at the
-# fair share (3 on 2: 2/3 of a core each): over a long copy the kernel moves ranks between cores.
-# Fitted on the recorded calibration runs (tuning.calibration; examples/sim_calibrate.py): with
-# the busiest core's pace for all work, error 28.5% and auto's regret 1.045 (9 picks above
-# 1.10); with the fair share for all, 30.5% (29.4% -> 41.8% below 1 MiB) and 1.014 (1); with
-# this split anywhere from 25 us to 1 ms, 26.3-26.6% and 1.023-1.033 (4-7).
-BALANCE_S = 50e-6
-# Where a node's ranks outnumber its cores, this fraction of an intra-node message's latency is
-# priced as its sender's CPU (HostModel.latency_cpu): a loopback socket's latency is mostly
-# kernel work (the send path delivers into the receiver's socket), which then competes with the
-# other ranks for the cores. The 2-rank probes that fit the latency have a core per rank, so
-# they cannot tell. On the recorded calibration runs (links fitted by 2-rank probes, so the same
-# links): 0 -> 0.25 moves error 25.9% -> 24.8% (tcp 17.3% -> 15.3%) and on the reduce_scatter
-# recording 18.0% -> 17.0%, every pick unchanged; 0.5-1 gave 24.5-25.2% and 15.4-16.4% but two
-# more picks above 1.10 on the first recording (broadcast 64 KiB at 3-4 ranks: ring for tree)
-# and one fewer on the second. shm's latency (~1 us) makes it moot there.
-LATENCY_CPU_SHARED = 0.25
-# Where a node's ranks outnumber its cores the engine's waiting rank polls with sched_yield
-# between passes for SPIN_SHARED_S before it sleeps (transports/progress.py); the model spins
-# that long there too, the spinner holding this much of a core. Measured: one to three such
-# pollers pinned to the core of a process doing 4000 1 MiB copies made it 0-9% slower (95-105
-# against 96-99 ms), so a spinner takes a few percent of a long piece of work; a short one still
-# waits for its turn on a core that two ranks want (the busiest core's pace). Before, the model
-# spun SPIN_S there, at a whole core. On the recorded calibration runs: error 24.8% -> 24.0%,
-# regret 1.026 -> 1.025 (5 picks above 1.10 either way); reduce_scatter recording 17.0% ->
-# 15.7%, regret 1.021 -> 1.015 (3 -> 1 above 1.10). 0.1 and 0.25 gave the same picks (24.0 and
-# 23.9%), a whole core 23.2% but n=3 allreduce 1 MiB picked ring, 1.31 slower than tree there;
-# 0 (no share: the spinner never delays a short piece) 29.1% and 1.048 (9 above 1.10). Live at
-# n=4: allreduce 256 KiB-2 MiB tree -> rhd (1 MiB: rhd 445-763 us against tree's 570-994 in
-# four interleaved runs).
-YIELD_SHARE = 0.05
+# slicing costs switches and cache refills.
+SHARING_LOSS = _fitted("SHARING_LOSS")
+# With a memory table the loss falls linearly with δ(working set) from SHARING_LOSS at cache speed
+# to SHARING_LOSS * SHARING_LOSS_DRAM at the table's largest working set (``sharing_loss_at``).
+SHARING_LOSS_DRAM = _fitted("SHARING_LOSS_DRAM")
+# A piece of work shorter than this runs at the busiest core's pace (3 busy ranks on 2 cores: two
+# to a core), a longer one at the fair share: over a long copy the kernel moves ranks between cores.
+BALANCE_S = _fitted("BALANCE_S")
+# Where a node's ranks outnumber its cores, this fraction of an intra-node message's latency is its
+# sender's CPU (HostModel.latency_cpu): a loopback socket's latency is mostly kernel work.
+LATENCY_CPU_SHARED = _fitted("LATENCY_CPU_SHARED")
+# Where a node's ranks outnumber its cores a waiting rank polls with sched_yield for SPIN_SHARED_S
+# (transports/progress.py) before it sleeps; the model spins as long, holding this much of a core.
+YIELD_SHARE = _fitted("YIELD_SHARE")
 
 TableKey = Tuple[str, int, Tuple[int, ...], str, str]   # collective, world, topology, intra, inter
 
@@ -257,7 +216,7 @@ def _shared_model_choice(key: Tuple, m: LinkModel) -> str:
 
 def table_choice(m: LinkModel, collective: str, p: int, nbytes: int,
                  topology: Tuple[int, ...]) -> Optional[str]:
-    """The tuned table's family for the measured size nearest ``nbytes`` (within a factor of 2)."""
+    """The tuned table's family for the tuned size nearest ``nbytes`` (within a factor of 2)."""
     rows = m.table.get((collective, p, tuple(topology), m.intra, m.inter))
     if not rows:
         return None
@@ -316,7 +275,7 @@ def model_costs(collective: str, p: int, nbytes: int, topology: Tuple[int, ...],
 # ---------------------------------------------------------------------------------- simulator
 def memory_at(m: LinkModel, working_set: float) -> Tuple[float, float, float]:
     """(δ, γ, contention) of this machine for a call touching ``working_set`` bytes per buffer:
-    log-linear between the measured rows of ``m.memory`` (clamped at its ends). A 64 KiB copy
+    log-linear between the probed rows of ``m.memory`` (clamped at its ends). A 64 KiB copy
     runs from the caches at several times the speed of a 64 MiB one, and two ranks copying at
     once slow each other down by the memory bandwidth they share; without a table, the model's
     single δ, γ and contention."""
@@ -336,7 +295,7 @@ def memory_at(m: LinkModel, working_set: float) -> Tuple[float, float, float]:
 
 # Transports whose bytes cross memory as a copy in by the sender and a copy (or reduction) out by
 # the receiver, both user-space memcpy (shm's rings; inproc hands over the array and copies out
-# once, so it is not here): their β is those two copies when the memory is measured (host_model).
+# once, so it is not here): their β is those two copies when the memory is probed (host_model).
 COPY_TRANSPORTS = ("shm",)
 
 
@@ -355,7 +314,7 @@ def sharing_loss_at(m: LinkModel, working_set: float) -> float:
 def host_model(m: LinkModel, working_set: float = 0.0) -> HostModel:
     """The simulator engine's machine for a LinkModel: ranks are processes on their node's cores
     (minicomm.sim.engine.run_host), with this model's α, β, o per link class, γ, δ, wake,
-    contention, cores and spin. With a measured memory table (``LinkModel.memory``) δ, γ,
+    contention, cores and spin. With a probed memory table (``LinkModel.memory``) δ, γ,
     contention and the sharing loss (``sharing_loss_at``) are those of the call's working set,
     and a copying transport's β is its two copies (``COPY_TRANSPORTS``: copy-in by the sender,
     copy-out by the receiver, each between the user's buffer and the cache-resident ring:
@@ -367,7 +326,7 @@ def host_model(m: LinkModel, working_set: float = 0.0) -> HostModel:
 
         def beta(kind: str, fitted: float) -> float:
             if m.memory and kind == "tcp":
-                # the kernel copies in and out of socket buffers: β was measured on small, cached
+                # the kernel copies in and out of socket buffers: β was fitted on small, cached
                 # buffers, and a large buffer's copies run at its working set's δ
                 return fitted + delta - memory_at(m, 0)[0]
             if not (m.memory and kind in COPY_TRANSPORTS):
@@ -463,7 +422,8 @@ FABRIC_CACHE_SIZE = 4096
 
 def size_class(nbytes: int) -> int:
     """The size auto prices ``nbytes`` at above ``SIM_MAX_RANKS`` ranks: the nearest of
-    ``SIZE_CLASSES`` sizes per octave (at most 9% off), so a few engine runs serve all sizes."""
+    ``SIZE_CLASSES`` sizes per octave (a factor of at most 2^(1/8) off), so a few engine runs
+    serve all sizes."""
     if nbytes <= ITEMSIZE:
         return max(0, nbytes)
     k = round(math.log2(nbytes) * SIZE_CLASSES)

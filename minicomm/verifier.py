@@ -19,9 +19,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from itertools import repeat
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .schedule import IN, OUT, TMP, Copy, Recv, Reduce, Schedule, Send, buffer_counts
+
+# ``verify``'s optional hook: (rank, step, op) for every op as the verifier runs it
+Trace = Callable[[int, int, object], None]
 
 
 class VerificationError(AssertionError):
@@ -45,7 +48,10 @@ def _combine(a, b):
 
 
 def _reduce_into(dst: list, doff: int, src: list, soff: int, n: int) -> None:
-    dst[doff:doff + n] = [_combine(a, b) for a, b in zip(dst[doff:doff + n], src[soff:soff + n])]
+    # the common case (same defined index, disjoint contributors) inline: _combine's last branch
+    dst[doff:doff + n] = [(sa, ma | mb) if sa == sb and sa >= 0 and not ma & mb
+                          else _combine((sa, ma), (sb, mb))
+                          for (sa, ma), (sb, mb) in zip(dst[doff:doff + n], src[soff:soff + n])]
 
 
 def _regions_overlap(a: Tuple[str, int, int], b: Tuple[str, int, int]) -> bool:
@@ -95,8 +101,25 @@ def _check_structure(s: Schedule) -> None:
                     raise VerificationError(f"rank {s.rank} step {i}: {wo} and {wo2} write the same elements")
 
 
-def verify(schedules: Sequence[Schedule], *, topology=None) -> Dict[str, int]:
-    """Verify the schedules of all ranks of one call. Raises VerificationError; returns stats."""
+def verify(schedules: Sequence[Schedule], *, topology=None,
+           trace: Optional[Trace] = None) -> Dict[str, int]:
+    """Verify the schedules of all ranks of one call. Raises VerificationError; returns stats.
+
+    ``trace(rank, step, op)``, if given, is called for every op as this interpreter runs it:
+    a step's local ops when the rank enters the step, a Send and its Recv when the pair
+    completes (the conformance test compares it with the other interpreters)."""
+    _check_call(schedules)
+    pair_of, messages = _match_fifo(schedules)
+    run = _SymbolicRun(schedules, pair_of, trace)
+    rounds = run.run()
+    run.raise_if_stuck()
+    _check_results(schedules, run.state, run.knows)
+    return {"ranks": len(schedules), "rounds": rounds,
+            "max_comm_steps": max(s.comm_steps for s in schedules), "messages": messages}
+
+
+def _check_call(schedules: Sequence[Schedule]) -> None:
+    """Every schedule is one rank's of the same call, and well formed (``_check_structure``)."""
     p = len(schedules)
     if p == 0:
         raise VerificationError("no schedules")
@@ -107,7 +130,10 @@ def verify(schedules: Sequence[Schedule], *, topology=None) -> Dict[str, int]:
             raise VerificationError(f"schedule {r} is for another call: {s.summary()}")
         _check_structure(s)
 
-    # FIFO matching per ordered pair: the k-th send a->b pairs with the k-th recv on b from a.
+
+def _match_fifo(schedules: Sequence[Schedule]):
+    """FIFO matching per ordered pair: the k-th send a->b pairs with the k-th recv on b from a.
+    Returns ({(rank, step, id(op)): the partner's (rank, step, id(op)), both ways}, messages)."""
     sends: Dict[Tuple[int, int], List[Tuple[int, Send]]] = defaultdict(list)
     recvs: Dict[Tuple[int, int], List[Tuple[int, Recv]]] = defaultdict(list)
     for s in schedules:
@@ -117,7 +143,7 @@ def verify(schedules: Sequence[Schedule], *, topology=None) -> Dict[str, int]:
                     sends[(s.rank, o.peer)].append((i, o))
                 elif isinstance(o, Recv):
                     recvs[(o.peer, s.rank)].append((i, o))
-    pair_of: Dict[Tuple[int, int, int], Tuple[int, int, int]] = {}  # (rank, step, id(op)) both ways
+    pair_of: Dict[Tuple[int, int, int], Tuple[int, int, int]] = {}
     for pair in set(sends) | set(recvs):
         sl, rl = sends.get(pair, []), recvs.get(pair, [])
         if len(sl) != len(rl):
@@ -128,122 +154,142 @@ def verify(schedules: Sequence[Schedule], *, topology=None) -> Dict[str, int]:
                                         f"elements, matching recv step {ri} expects {ro.count}")
             pair_of[(pair[0], si, id(so))] = (pair[1], ri, id(ro))
             pair_of[(pair[1], ri, id(ro))] = (pair[0], si, id(so))
+    return pair_of, sum(len(v) for v in sends.values())
 
-    undefined = (UNDEFINED, 0)
-    state: List[Dict[str, list]] = []
-    for s in schedules:
-        bufs = {OUT: [undefined] * s.out_count, TMP: [undefined] * s.tmp_count}
-        if (coll == "broadcast" or coll == "scatter") and s.rank != root:
-            bufs[IN] = [undefined] * s.in_count   # never read: using it is a bug
-        else:
-            bufs[IN] = list(zip(range(s.in_count), repeat(1 << s.rank)))
-        state.append(bufs)
-    knows = [1 << r for r in range(p)]   # barrier knowledge: who is known to have entered
 
-    # Every communication op gets an integer id; per op: (rank, step, op, partner id).
-    ids: Dict[Tuple[int, int, int], int] = {}
-    ops_tab: List[list] = []
-    plan = []
-    for s in schedules:
-        r = s.rank
-        steps = []
-        for i, step in enumerate(s.steps):
-            local = [o for o in step if isinstance(o, (Copy, Reduce))]
-            comm = []
-            for o in step:
-                if isinstance(o, (Send, Recv)):
-                    k = len(ops_tab)
-                    ids[(r, i, id(o))] = k
-                    ops_tab.append([r, i, o, None])
-                    comm.append(k)
-            steps.append((local, comm))
-        plan.append(steps)
-    for entry in ops_tab:
-        r, i, o, _ = entry
-        entry[3] = ids[pair_of[(r, i, id(o))]]
-    done = bytearray(len(ops_tab))
+class _SymbolicRun:
+    """The symbolic state of every rank (``state``: buffer name -> list of symbolic values;
+    ``knows``: barrier knowledge) and the walk of the schedules under rendezvous sends.
 
-    pc = [0] * p
-    left = [0] * p                 # communication ops of the current step not yet complete
-    entry_knows = list(knows)      # what a rank knew when it entered its current step
+    Every communication op gets an integer id: ``ops_tab[id]`` = [rank, step, op, partner id];
+    ``plan[rank][step]`` = (local ops, ids of its communication ops)."""
 
-    def enter(r):   # run the local ops of the steps rank r enters, skipping purely local steps
-        steps = plan[r]
-        st = state[r]
+    def __init__(self, schedules: Sequence[Schedule], pair_of, trace: Optional[Trace]):
+        s0 = schedules[0]
+        coll, root, p = s0.collective, s0.root, len(schedules)
+        undefined = (UNDEFINED, 0)
+        self.state: List[Dict[str, list]] = []
+        for s in schedules:
+            bufs = {OUT: [undefined] * s.out_count, TMP: [undefined] * s.tmp_count}
+            if (coll == "broadcast" or coll == "scatter") and s.rank != root:
+                bufs[IN] = [undefined] * s.in_count   # never read: using it is a bug
+            else:
+                bufs[IN] = list(zip(range(s.in_count), repeat(1 << s.rank)))
+            self.state.append(bufs)
+        self.knows = [1 << r for r in range(p)]   # barrier knowledge: who is known to have entered
+        ids: Dict[Tuple[int, int, int], int] = {}
+        self.ops_tab: List[list] = []
+        self.plan = []
+        for s in schedules:
+            steps = []
+            for i, step in enumerate(s.steps):
+                local = [o for o in step if isinstance(o, (Copy, Reduce))]
+                comm = []
+                for o in step:
+                    if isinstance(o, (Send, Recv)):
+                        ids[(s.rank, i, id(o))] = len(self.ops_tab)
+                        comm.append(len(self.ops_tab))
+                        self.ops_tab.append([s.rank, i, o, None])
+                steps.append((local, comm))
+            self.plan.append(steps)
+        for entry in self.ops_tab:
+            entry[3] = ids[pair_of[(entry[0], entry[1], id(entry[2]))]]
+        self.done = bytearray(len(self.ops_tab))
+        self.pc = [0] * p
+        self.left = [0] * p                 # communication ops of the current step not yet complete
+        self.entry_knows = list(self.knows)  # what a rank knew when it entered its current step
+        self.trace = trace
+
+    def enter(self, r: int) -> None:
+        """Run the local ops of the steps rank r enters, skipping purely local steps."""
+        steps, st, pc, trace = self.plan[r], self.state[r], self.pc, self.trace
         while pc[r] < len(steps):
             local, comm = steps[pc[r]]
             for o in local:
+                if trace is not None:
+                    trace(r, pc[r], o)
                 if isinstance(o, Copy):
                     st[o.dst][o.dst_offset:o.dst_offset + o.count] = \
                         st[o.src][o.src_offset:o.src_offset + o.count]
                 else:
                     _reduce_into(st[o.dst], o.dst_offset, st[o.src], o.src_offset, o.count)
-            entry_knows[r] = knows[r]
+            self.entry_knows[r] = self.knows[r]
             if comm:
-                left[r] = len(comm)
+                self.left[r] = len(comm)
                 return
             pc[r] += 1
 
-    for r in range(p):
-        enter(r)
-    # Rendezvous: a Send/Recv pair completes as soon as both ranks are in the steps holding it
-    # (whatever else those steps still wait for); a rank leaves a step when all its pairs are done.
-    # The sender's region cannot change during its step (same-step overlap is banned), so reading
-    # it at completion time equals reading it when the send was posted.
-    rounds = 0
-    candidates = set(range(p))
-    while candidates:
-        advanced = []
-        for r in candidates:
-            if pc[r] >= len(plan[r]):
-                continue
-            for k in plan[r][pc[r]][1]:
-                if done[k]:
-                    continue
-                _, _, o, kp = ops_tab[k]
-                q, t, po, _ = ops_tab[kp]
-                if pc[q] != t:
-                    continue
-                snd, rcv, sr, rr = (po, o, q, r) if isinstance(o, Recv) else (o, po, r, q)
-                data = state[sr][snd.buf][snd.offset:snd.offset + snd.count]
-                knows[rr] |= entry_knows[sr]
-                dst = state[rr][rcv.buf]
-                if rcv.reduce:
-                    _reduce_into(dst, rcv.offset, data, 0, rcv.count)
-                else:
-                    dst[rcv.offset:rcv.offset + rcv.count] = data
-                done[k] = done[kp] = 1
-                left[r] -= 1
-                left[q] -= 1
-                if left[q] == 0:
-                    advanced.append(q)
-            if left[r] == 0:
-                advanced.append(r)
-        if not advanced:
-            break
-        rounds += 1
-        candidates = set()
-        for r in set(advanced):
-            if pc[r] < len(plan[r]) and left[r] == 0:
-                pc[r] += 1
-                enter(r)
-                candidates.add(r)
-                if pc[r] < len(plan[r]):
-                    candidates.update(ops_tab[ops_tab[k][3]][0] for k in plan[r][pc[r]][1])
+    def complete(self, k: int) -> int:
+        """Complete communication op ``k`` (of a rank in its step) with its partner, whose
+        rank is in the partner's step; returns the partner's rank."""
+        r, i, o, kp = self.ops_tab[k]
+        q, t, po, _ = self.ops_tab[kp]
+        snd, rcv, sr, rr = (po, o, q, r) if isinstance(o, Recv) else (o, po, r, q)
+        if self.trace is not None:
+            self.trace(sr, self.pc[sr], snd)
+            self.trace(rr, self.pc[rr], rcv)
+        data = self.state[sr][snd.buf][snd.offset:snd.offset + snd.count]
+        self.knows[rr] |= self.entry_knows[sr]
+        dst = self.state[rr][rcv.buf]
+        if rcv.reduce:
+            _reduce_into(dst, rcv.offset, data, 0, rcv.count)
+        else:
+            dst[rcv.offset:rcv.offset + rcv.count] = data
+        self.done[k] = self.done[kp] = 1
+        self.left[r] -= 1
+        self.left[q] -= 1
+        return q
 
-    stuck = [r for r in range(p) if pc[r] < len(plan[r])]
-    if stuck:
+    def run(self) -> int:
+        """Walk until every rank finished or none can move; returns the rounds taken.
+
+        Rendezvous: a Send/Recv pair completes as soon as both ranks are in the steps holding
+        it (whatever else those steps still wait for); a rank leaves a step when all its pairs
+        are done. The sender's region cannot change during its step (same-step overlap is
+        banned), so reading it at completion time equals reading it when the send was posted."""
+        plan, pc, left, done, ops_tab = self.plan, self.pc, self.left, self.done, self.ops_tab
+        for r in range(len(plan)):
+            self.enter(r)
+        rounds = 0
+        candidates = set(range(len(plan)))
+        while candidates:
+            advanced = []
+            for r in candidates:
+                if pc[r] >= len(plan[r]):
+                    continue
+                for k in plan[r][pc[r]][1]:
+                    if done[k] or pc[ops_tab[ops_tab[k][3]][0]] != ops_tab[ops_tab[k][3]][1]:
+                        continue
+                    q = self.complete(k)
+                    if left[q] == 0:
+                        advanced.append(q)
+                if left[r] == 0:
+                    advanced.append(r)
+            if not advanced:
+                break
+            rounds += 1
+            candidates = set()
+            for r in set(advanced):
+                if pc[r] < len(plan[r]) and left[r] == 0:
+                    pc[r] += 1
+                    self.enter(r)
+                    candidates.add(r)
+                    if pc[r] < len(plan[r]):
+                        candidates.update(ops_tab[ops_tab[k][3]][0] for k in plan[r][pc[r]][1])
+        return rounds
+
+    def raise_if_stuck(self) -> None:
+        """Raise VerificationError naming the ranks that cannot finish, if any."""
+        plan, pc, ops_tab = self.plan, self.pc, self.ops_tab
+        stuck = [r for r in range(len(plan)) if pc[r] < len(plan[r])]
+        if not stuck:
+            return
         r = stuck[0]
         waits = [(ops_tab[ops_tab[k][3]][0], ops_tab[ops_tab[k][3]][1], pc[ops_tab[ops_tab[k][3]][0]])
-                 for k in plan[r][pc[r]][1] if not done[k]]
+                 for k in plan[r][pc[r]][1] if not self.done[k]]
         raise VerificationError(
             f"deadlock under rendezvous sends: ranks {stuck} cannot finish; rank {r} is stuck in "
             f"step {pc[r]} waiting for (peer, peer's matching step, step the peer is in) {waits[:3]}")
-
-    _check_results(schedules, state, knows)
-    return {"ranks": p, "rounds": rounds,
-            "max_comm_steps": max(s.comm_steps for s in schedules),
-            "messages": sum(len(v) for v in sends.values())}
 
 
 def _check_results(schedules, state, knows) -> None:
@@ -253,7 +299,7 @@ def _check_results(schedules, state, knows) -> None:
 
     def expect(r: int, lo: int, first_src: int, mask: int, what: str):
         got = state[r][OUT][lo:lo + n]
-        want = [(first_src + e, mask) for e in range(n)]
+        want = list(zip(range(first_src, first_src + n), repeat(mask)))
         if got != want:
             e = next(i for i in range(n) if got[i] != want[i])
             (gs, gm), (ws, wm) = got[e], want[e]

@@ -6,7 +6,8 @@
     r.time_s, r.algbw, r.busbw, r.busiest_link
 
 Modules: topology (servers, intra fabric, NICs, fat-tree), presets (+ presets.json), engine
-(schedules as flows: α per message, max-min fair link sharing, γ per reduced byte), ps_model
+(schedules as flows: α per message, max-min fair link sharing, γ per reduced byte), host (the
+same schedules as processes on CPU cores: the machine auto prices; + host_model.json), ps_model
 (parameter server push/pull), explain (the GPT-3 traffic arithmetic), cli (``minicomm sim``).
 Imports only minicomm.schedule / algorithms / errors / ops, numpy and the standard library.
 """

@@ -44,12 +44,13 @@ import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..algorithms import family
 from ..schedule import COLLECTIVES, Copy, Recv, Reduce, Schedule, Send, busbw_factor
+from .host import HostDeadlock, HostLink, HostModel, HostRun  # noqa: F401 (re-exported)
 from .topology import Fabric, Topology, default_placement
 
 SYMMETRY_MIN_RANKS = 32
@@ -489,11 +490,19 @@ def max_min_rates(links: np.ndarray, capacity: np.ndarray) -> np.ndarray:
     return rate
 
 
+# ``run_program``'s optional hook: (rank, step, kind, peer, count, reduce) for every op of a step
+# as the step starts; kind is "copy" / "reduce" (the step's local elements, peer -1), "recv" or
+# "send". The engine's programs keep no buffer names or offsets, so none are reported.
+StepTrace = Callable[[int, int, str, int, int, bool], None]
+
+
 def run_program(prog: Program, topo: Topology, placement: np.ndarray, itemsize: int = 4,
-                fabric: Optional[Fabric] = None, resolution: float = RESOLUTION) -> RunStats:
+                fabric: Optional[Fabric] = None, resolution: float = RESOLUTION,
+                trace: Optional[StepTrace] = None) -> RunStats:
     """Time the program on the topology (module docstring); rank r runs on accelerator
     ``placement[r]``. Instants less than ``resolution`` seconds apart are handled as one event
-    (so a flow may end, and a step start, up to that much early)."""
+    (so a flow may end, and a step start, up to that much early). ``trace``: see
+    ``StepTrace`` (the conformance test compares it with the other interpreters)."""
     fab = fabric or Fabric(topo)
     p = prog.size
     placement = np.asarray(placement, dtype=np.int64)
@@ -501,495 +510,254 @@ def run_program(prog: Program, topo: Topology, placement: np.ndarray, itemsize: 
         raise ValueError(f"placement names {placement.size} ranks, not {p}")
     if p and (placement.min() < 0 or placement.max() >= topo.endpoints):
         raise ValueError(f"placement outside the {topo.endpoints} accelerators of {topo.name}")
-    gamma, delta, overlap = topo.gamma, topo.delta, topo.reduce_overlap
-    S, M = prog.steps, prog.messages
-    send_step, recv_step, ptr = prog.msg_send_step, prog.msg_recv_step, prog.send_ptr
-    nbytes = prog.msg_count * itemsize
-    g_msg = np.where(prog.msg_reduce, nbytes * gamma, 0.0)
-    local = (prog.step_copy * delta + prog.step_reduce * gamma) * itemsize
-    step_g = np.zeros(S)
-    if M:
-        np.maximum.at(step_g, recv_step, g_msg)
-    remaining = np.bincount(send_step, minlength=S) + np.bincount(recv_step, minlength=S)
-    # routes: one per distinct (src, dst) accelerator pair; padding is the extra last link
-    nl = len(fab)
-    cap = np.concatenate((fab.capacity, [math.inf]))
-    E = topo.endpoints
-    pair_key = placement[prog.msg_src] * E + placement[prog.msg_dst]
-    pairs, msg_pair = np.unique(pair_key, return_inverse=True)
-    pair_links, pair_lat, pair_gap = fab.routes_gaps(pairs // E, pairs % E)
-    src_of = placement[prog.msg_src]
-    gapped = bool(pair_gap.any())
-    width = max(1, int((pair_links >= 0).sum(axis=1).max())) if len(pairs) else 1
-    pair_links = np.where(pair_links[:, :width] >= 0, pair_links[:, :width], nl)
-    msg_pair = msg_pair.reshape(-1)
+    loop = _EventLoop(prog, topo, fab, placement, itemsize, resolution, trace)
+    while True:
+        loop.events += 1
+        loop.start_steps()
+        loop.start_flows()
+        if not loop.advance_clock():
+            break
+        loop.deliver()
+    if loop.alive:
+        stuck = np.nonzero(loop.cur < loop.last)[0][:8]
+        raise ScheduleError(f"the schedules deadlock: ranks {stuck.tolist()} wait for messages "
+                            f"that are never sent (or for each other)")
+    return RunStats(float(loop.rank_end.max()) if p else 0.0, loop.rank_end,
+                    loop.link_bytes[:loop.nl], loop.events, loop.delivered)
 
-    latest = np.full(S, -math.inf)          # latest completion of a step's ops so far
-    start = np.full(S, math.nan)
-    cur = prog.rank_first[:-1].copy()
-    last = prog.rank_first[1:]
-    next_start = np.where(cur < last, 0.0, math.inf)
-    rank_end = np.zeros(p)
-    alive = int((cur < last).sum())
-    delivered = np.full(M, math.inf)
-    arrival_start = np.full(M, math.inf)
-    # rendezvous: a message moves once its sender has sent and its receiver has posted the
-    # receive (the receiver's buffer, or NCCL's credits, are there); eager: once it is sent
-    rendezvous = topo.rendezvous
-    send_ready = np.full(M, math.nan)
-    recv_ready = np.full(M, math.nan) if rendezvous else np.zeros(M)
-    by_recv, rptr = prog.recv_order, prog.recv_ptr
-    link_bytes = np.zeros(nl + 1)
-    # pending flows (latency not over yet) and active flows (sharing links); an active flow's
-    # bytes left are valid at t_ref, the last time the rates changed
-    pend_id = np.zeros(0, dtype=np.int64)
-    pend_t = np.zeros(0)
-    act_id = np.zeros(0, dtype=np.int64)
-    act_links = np.zeros((0, width), dtype=np.int64)
-    act_left = np.zeros(0)
-    act_rate = np.zeros(0)
-    act_fin = np.zeros(0)
-    t_ref = 0.0
-    dirty = False
-    now = 0.0
-    events = 0
 
-    def complete(steps: np.ndarray) -> None:
-        nonlocal alive
-        if steps.size == 0:
-            return
-        end = np.maximum(start[steps] + local[steps] + step_g[steps], latest[steps])
-        r = prog.step_rank[steps]
-        nxt = steps + 1
-        more = nxt < last[r]
-        cur[r[more]] = nxt[more]
-        next_start[r[more]] = end[more]
-        rank_end[r[~more]] = end[~more]
-        alive -= int((~more).sum())
+class _EventLoop:
+    """``run_program``'s state, per step and per message in numpy arrays, and its four phases
+    per event: steps due start, flows whose latency is over start, the clock moves to the next
+    instant, flows that finished deliver. Pending flows have not finished their latency yet;
+    active flows share links, their bytes left valid at ``t_ref`` (when the rates last
+    changed)."""
 
-    def left_now() -> np.ndarray:
-        dt = now - t_ref
+    def __init__(self, prog: Program, topo: Topology, fab: Fabric, placement: np.ndarray,
+                 itemsize: int, resolution: float, trace: Optional[StepTrace]):
+        self.prog, self.resolution, self.trace = prog, resolution, trace
+        p, S, M = prog.size, prog.steps, prog.messages
+        self.overlap = topo.reduce_overlap
+        self.nbytes = prog.msg_count * itemsize
+        self.g_msg = np.where(prog.msg_reduce, self.nbytes * topo.gamma, 0.0)
+        self.local = (prog.step_copy * topo.delta + prog.step_reduce * topo.gamma) * itemsize
+        self.step_g = np.zeros(S)
+        if M:
+            np.maximum.at(self.step_g, prog.msg_recv_step, self.g_msg)
+        self.remaining = (np.bincount(prog.msg_send_step, minlength=S)
+                          + np.bincount(prog.msg_recv_step, minlength=S))
+        # routes: one per distinct (src, dst) accelerator pair; padding is the extra last link
+        self.nl = nl = len(fab)
+        self.cap = np.concatenate((fab.capacity, [math.inf]))
+        E = topo.endpoints
+        pairs, msg_pair = np.unique(placement[prog.msg_src] * E + placement[prog.msg_dst],
+                                    return_inverse=True)
+        pair_links, self.pair_lat, self.pair_gap = fab.routes_gaps(pairs // E, pairs % E)
+        self.src_of = placement[prog.msg_src]
+        self.gapped = bool(self.pair_gap.any())
+        self.width = width = (max(1, int((pair_links >= 0).sum(axis=1).max()))
+                              if len(pairs) else 1)
+        self.pair_links = np.where(pair_links[:, :width] >= 0, pair_links[:, :width], nl)
+        self.msg_pair = msg_pair.reshape(-1)
+        self.latest = np.full(S, -math.inf)          # latest completion of a step's ops so far
+        self.start = np.full(S, math.nan)
+        self.cur = prog.rank_first[:-1].copy()
+        self.last = prog.rank_first[1:]
+        self.next_start = np.where(self.cur < self.last, 0.0, math.inf)
+        self.rank_end = np.zeros(p)
+        self.alive = int((self.cur < self.last).sum())
+        self.delivered = np.full(M, math.inf)
+        self.arrival_start = np.full(M, math.inf)
+        # rendezvous: a message moves once its sender has sent and its receiver has posted the
+        # receive (the receiver's buffer, or NCCL's credits, are there); eager: once it is sent
+        self.rendezvous = topo.rendezvous
+        self.send_ready = np.full(M, math.nan)
+        self.recv_ready = np.full(M, math.nan) if self.rendezvous else np.zeros(M)
+        self.link_bytes = np.zeros(nl + 1)
+        self.pend_id, self.pend_t = np.zeros(0, dtype=np.int64), np.zeros(0)
+        self.act_id = np.zeros(0, dtype=np.int64)
+        self.act_links = np.zeros((0, width), dtype=np.int64)
+        self.act_left, self.act_rate, self.act_fin = np.zeros(0), np.zeros(0), np.zeros(0)
+        self.t_ref = self.now = 0.0
+        self.dirty = False
+        self.events = 0
+
+    def horizon(self) -> float:
+        """Instants up to this one are handled as now (one event)."""
+        return self.now * (1 + 1e-12) + self.resolution
+
+    def left_now(self) -> np.ndarray:
+        dt = self.now - self.t_ref
         if dt <= 0:
-            return act_left
-        left = act_left - act_rate * dt
-        left[~(act_rate < math.inf)] = 0.0
+            return self.act_left
+        left = self.act_left - self.act_rate * dt
+        left[~(self.act_rate < math.inf)] = 0.0
         return np.maximum(left, 0.0, out=left)
 
-    while True:
-        events += 1
-        horizon = now * (1 + 1e-12) + resolution     # instants this close are one event
-        # 1. steps due now start (a step with nothing left to wait for ends at once)
-        while alive:
-            due = np.nonzero(next_start <= horizon)[0]
+    def complete(self, steps: np.ndarray) -> None:
+        """Steps whose ops all completed end; their ranks' next steps become due."""
+        if steps.size == 0:
+            return
+        end = np.maximum(self.start[steps] + self.local[steps] + self.step_g[steps],
+                         self.latest[steps])
+        r = self.prog.step_rank[steps]
+        nxt = steps + 1
+        more = nxt < self.last[r]
+        self.cur[r[more]] = nxt[more]
+        self.next_start[r[more]] = end[more]
+        self.rank_end[r[~more]] = end[~more]
+        self.alive -= int((~more).sum())
+
+    def start_steps(self) -> None:
+        """Phase 1: steps due now start (a step with nothing left to wait for ends at once)."""
+        prog, rendezvous = self.prog, self.rendezvous
+        ptr, rptr, send_ready, recv_ready = prog.send_ptr, prog.recv_ptr, self.send_ready, \
+            self.recv_ready
+        while self.alive:
+            due = np.nonzero(self.next_start <= self.horizon())[0]
             if due.size == 0:
                 break
-            s = cur[due]
-            t0 = next_start[due]
-            next_start[due] = math.inf
-            start[s] = t0
-            posted = t0 + local[s]
+            s = self.cur[due]
+            t0 = self.next_start[due]
+            self.next_start[due] = math.inf
+            self.start[s] = t0
+            posted = t0 + self.local[s]
             cnt = ptr[s + 1] - ptr[s]
+            rcnt = rptr[s + 1] - rptr[s]
+            sids = _ranges(ptr[s], cnt)
+            rids = prog.recv_order[_ranges(rptr[s], rcnt)]
+            if self.trace is not None:
+                self.trace_started(s, sids, rids)
             go_ids = []
             if cnt.any():
-                ids = _ranges(ptr[s], cnt)
-                send_ready[ids] = np.repeat(posted, cnt)
-                go_ids.append(ids if not rendezvous else ids[~np.isnan(recv_ready[ids])])
-            if rendezvous:
-                rcnt = rptr[s + 1] - rptr[s]
-                if rcnt.any():
-                    rids = by_recv[_ranges(rptr[s], rcnt)]
-                    recv_ready[rids] = np.repeat(posted, rcnt)
-                    go_ids.append(rids[~np.isnan(send_ready[rids])])
+                send_ready[sids] = np.repeat(posted, cnt)
+                go_ids.append(sids if not rendezvous else sids[~np.isnan(recv_ready[sids])])
+            if rendezvous and rcnt.any():
+                recv_ready[rids] = np.repeat(posted, rcnt)
+                go_ids.append(rids[~np.isnan(send_ready[rids])])
             ids = np.concatenate(go_ids) if go_ids else np.zeros(0, dtype=np.int64)
             if ids.size:
                 t_go = (np.maximum(send_ready[ids], recv_ready[ids]) if rendezvous
-                        else send_ready[ids]) + pair_lat[msg_pair[ids]]
-                if gapped:
+                        else send_ready[ids]) + self.pair_lat[self.msg_pair[ids]]
+                if self.gapped:
                     # a sender issues the k messages it starts at once one gap apart; they start
                     # together when the last is issued (one event, not k)
-                    srcs = src_of[ids]
+                    srcs = self.src_of[ids]
                     k_of = np.bincount(srcs)[srcs]
-                    t_go = t_go + pair_gap[msg_pair[ids]] * (k_of - 1)
-                pend_id = np.concatenate((pend_id, ids))
-                pend_t = np.concatenate((pend_t, t_go))
-            ready = s[remaining[s] == 0]
+                    t_go = t_go + self.pair_gap[self.msg_pair[ids]] * (k_of - 1)
+                self.pend_id = np.concatenate((self.pend_id, ids))
+                self.pend_t = np.concatenate((self.pend_t, t_go))
+            ready = s[self.remaining[s] == 0]
             if ready.size:
-                complete(ready)
-        # 2. flows whose latency is over start to move bytes
-        if pend_id.size:
-            go = pend_t <= horizon
+                self.complete(ready)
+
+    def trace_started(self, steps: np.ndarray, sids: np.ndarray, rids: np.ndarray) -> None:
+        """Report the ops of ``steps`` (just started; ``sids`` / ``rids``: the messages they
+        send / receive, step by step) to ``trace``, step by step."""
+        prog, trace = self.prog, self.trace
+        si = ri = 0
+        for s in steps.tolist():
+            r = int(prog.step_rank[s])
+            k = s - int(prog.rank_first[r])
+            if prog.step_copy[s]:
+                trace(r, k, "copy", -1, int(prog.step_copy[s]), False)
+            if prog.step_reduce[s]:
+                trace(r, k, "reduce", -1, int(prog.step_reduce[s]), False)
+            for m in rids[ri:ri + prog.recv_ptr[s + 1] - prog.recv_ptr[s]].tolist():
+                trace(r, k, "recv", int(prog.msg_src[m]), int(prog.msg_count[m]),
+                      bool(prog.msg_reduce[m]))
+            ri += prog.recv_ptr[s + 1] - prog.recv_ptr[s]
+            for m in sids[si:si + prog.send_ptr[s + 1] - prog.send_ptr[s]].tolist():
+                trace(r, k, "send", int(prog.msg_dst[m]), int(prog.msg_count[m]), False)
+            si += prog.send_ptr[s + 1] - prog.send_ptr[s]
+
+    def start_flows(self) -> None:
+        """Phase 2: flows whose latency is over start to move bytes; rates are recomputed when
+        the set of active flows changed."""
+        if self.pend_id.size:
+            go = self.pend_t <= self.horizon()
             if go.any():
-                ids = pend_id[go]
-                links = pair_links[msg_pair[ids]]
-                arrival_start[ids] = pend_t[go]
-                link_bytes += np.bincount(links.ravel(), weights=np.repeat(nbytes[ids], width),
-                                          minlength=nl + 1)
-                act_left = np.concatenate((left_now(), nbytes[ids]))
-                act_rate = np.concatenate((act_rate, np.zeros(len(ids))))
-                t_ref = now
-                act_id = np.concatenate((act_id, ids))
-                act_links = np.concatenate((act_links, links))
+                ids = self.pend_id[go]
+                links = self.pair_links[self.msg_pair[ids]]
+                self.arrival_start[ids] = self.pend_t[go]
+                self.link_bytes += np.bincount(
+                    links.ravel(), weights=np.repeat(self.nbytes[ids], self.width),
+                    minlength=self.nl + 1)
+                self.act_left = np.concatenate((self.left_now(), self.nbytes[ids]))
+                self.act_rate = np.concatenate((self.act_rate, np.zeros(len(ids))))
+                self.t_ref = self.now
+                self.act_id = np.concatenate((self.act_id, ids))
+                self.act_links = np.concatenate((self.act_links, links))
                 keep = ~go
-                pend_id, pend_t = pend_id[keep], pend_t[keep]
-                dirty = True
-        if dirty:
-            act_left, t_ref = left_now(), now
-            act_rate = max_min_rates(act_links, cap)
-            act_fin = now + act_left / act_rate
-            dirty = False
-        # 3. the next instant anything happens
+                self.pend_id, self.pend_t = self.pend_id[keep], self.pend_t[keep]
+                self.dirty = True
+        if self.dirty:
+            self.act_left, self.t_ref = self.left_now(), self.now
+            self.act_rate = max_min_rates(self.act_links, self.cap)
+            self.act_fin = self.now + self.act_left / self.act_rate
+            self.dirty = False
+
+    def advance_clock(self) -> bool:
+        """Phase 3: move to the next instant anything happens; False when nothing will."""
         t_next = math.inf
-        if alive:
-            t_next = float(next_start.min())
-        if pend_t.size:
-            t_next = min(t_next, float(pend_t.min()))
-        if act_fin.size:
-            t_next = min(t_next, float(act_fin.min()))
+        if self.alive:
+            t_next = float(self.next_start.min())
+        if self.pend_t.size:
+            t_next = min(t_next, float(self.pend_t.min()))
+        if self.act_fin.size:
+            t_next = min(t_next, float(self.act_fin.min()))
         if not t_next < math.inf:
-            break
-        if t_next > now:
-            now = t_next
-        # 4. deliveries
-        if act_fin.size:
-            fin = act_fin <= now * (1 + 1e-12) + resolution
-            if fin.any():
-                ids = act_id[fin]
-                delivered[ids] = now
-                ss, rs = send_step[ids], recv_step[ids]
-                np.maximum.at(latest, ss, now)
-                if overlap:
-                    done = np.maximum(now, arrival_start[ids] + g_msg[ids])
-                else:
-                    done = now + g_msg[ids]
-                np.maximum.at(latest, rs, done)
-                np.subtract.at(remaining, ss, 1)
-                np.subtract.at(remaining, rs, 1)
-                keep = ~fin
-                act_left = left_now()[keep]
-                t_ref = now
-                act_id, act_links = act_id[keep], act_links[keep]
-                act_rate, act_fin = act_rate[keep], act_fin[keep]
-                dirty = True
-                cand = np.concatenate((ss, rs))
-                cand = cand[remaining[cand] == 0]
-                cand = cand[~np.isnan(start[cand])]
-                if cand.size:
-                    complete(np.unique(cand))
-    if alive:
-        stuck = np.nonzero(cur < last)[0][:8]
-        raise ScheduleError(f"the schedules deadlock: ranks {stuck.tolist()} wait for messages "
-                            f"that are never sent (or for each other)")
-    return RunStats(float(rank_end.max()) if p else 0.0, rank_end, link_bytes[:nl], events,
-                    delivered)
+            return False
+        if t_next > self.now:
+            self.now = t_next
+        return True
+
+    def deliver(self) -> None:
+        """Phase 4: flows that finished deliver; the steps they complete end."""
+        if not self.act_fin.size:
+            return
+        now = self.now
+        fin = self.act_fin <= self.horizon()
+        if not fin.any():
+            return
+        ids = self.act_id[fin]
+        self.delivered[ids] = now
+        ss, rs = self.prog.msg_send_step[ids], self.prog.msg_recv_step[ids]
+        np.maximum.at(self.latest, ss, now)
+        if self.overlap:
+            done = np.maximum(now, self.arrival_start[ids] + self.g_msg[ids])
+        else:
+            done = now + self.g_msg[ids]
+        np.maximum.at(self.latest, rs, done)
+        np.subtract.at(self.remaining, ss, 1)
+        np.subtract.at(self.remaining, rs, 1)
+        keep = ~fin
+        self.act_left = self.left_now()[keep]
+        self.t_ref = now
+        self.act_id, self.act_links = self.act_id[keep], self.act_links[keep]
+        self.act_rate, self.act_fin = self.act_rate[keep], self.act_fin[keep]
+        self.dirty = True
+        cand = np.concatenate((ss, rs))
+        cand = cand[self.remaining[cand] == 0]
+        cand = cand[~np.isnan(self.start[cand])]
+        if cand.size:
+            self.complete(np.unique(cand))
 
 
 # ---------------------------------------------------------------------------- host processes
-@dataclass(frozen=True)
-class HostLink:
-    """A link class between processes of minicomm's own transports: α is a whole exchange step
-    (3 message ops + latency), β s/byte (the sender copies in β/2, the receiver out β/2), o the
-    CPU per message op, ``chunk`` the piece a receiver sees at once (shm records; a socket's
-    stream)."""
-    alpha: float
-    beta: float
-    overhead: float
-    chunk: int
-
-
-@dataclass(frozen=True)
-class HostModel:
-    """The machine of ``run_host``: ranks are processes on the CPU cores of their node."""
-    intra: HostLink
-    inter: HostLink
-    gamma: float            # in-place add, s per byte of array
-    delta: float            # memcpy, s per byte
-    wake: float = 0.0       # extra latency of a message to a rank asleep in the kernel
-    contention: float = 0.0  # k ranks working at once on a node each run 1 + c(k-1) slower
-    cores: int = 0          # cores of a node (0: as many as ranks, no sharing)
-    spin: float = 50e-6     # a waiting rank spins this long, then sleeps ...
-    spin_shared: float = 0.0  # ... or this long on a node whose ranks outnumber its cores,
-    yield_share: float = 1.0  # yielding between polls: such a spinner holds this much of a core
-    spin_rate: float = 0.0  # ... or, with a core to itself, as long as the largest message it
-    spin_max: float = 0.0   # waits for takes at this many bytes/s, at most spin_max (0: spin)
-    sharing_loss: float = 1.0   # work on a shared core runs at share / (1 + loss (1 - share))
-    balance: float = math.inf   # a piece of work this long (CPU s) runs at the cores' fair
-                                # share, a shorter one at the busiest core's pace (run_host)
-    call_overhead: float = 0.0  # CPU of a rank at the start of every call (argument checks,
-                                # plan lookup, sequence tags: the communicator's Python)
-    background: float = 0.0     # runnable threads besides the ranks, per rank of a node (its
-                                # transport's helpers, other jobs), sharing the node's cores
-    # single copy (shm over cross-memory attach): an intra-node message of at least this many
-    # bytes of a call that reduces nothing is read by its receiver straight from the sender's
-    # buffer, ``single_beta`` s/byte, the sender paying only o (0: never)
-    single_min: int = 0
-    single_beta: float = 0.0
-    # extra CPU per intra-node message op of a call that runs through the executor (request
-    # objects, matching queues) instead of the small-message path (``run_host(executor=True)``)
-    exec_overhead: float = 0.0
-    # on a node whose ranks outnumber its cores, this fraction of an intra-node message's
-    # latency is its sender's CPU instead of time in flight (a loopback socket's kernel work
-    # runs on the node's cores, which other ranks then wait for)
-    latency_cpu: float = 0.0
-
-
 def run_host(prog: Program, node_of: Sequence[Any], hm: HostModel, itemsize: int = 4,
              executor: bool = False) -> RunStats:
-    """Time the program as processes on CPUs (the cost model ``algorithm="auto"`` uses for
-    minicomm's own transports). Each rank works on a CPU or waits, and runs its steps as the
-    executor does: local ops (Copy δ, Reduce γ per byte) and posting its receives (o each); its
-    sends, eager (shm rings and socket buffers take them): o plus the copy-in, β/2 per byte, the
-    message visible to its receiver ``lat`` = α - 3o after its first piece is in (``chunk``:
-    small messages are store-and-forward, large ones pipelined) and complete ``lat`` after its
-    last; then its receives in arrival order: o plus the copy-out, β/2 per byte (a reducing
-    receive max(β/2, γ): it reduces straight out of the landing memory), the last piece no
-    earlier than the sender copied it in. A waiting rank spins for ``spin``, then sleeps: the
-    message that wakes it costs ``wake`` more when the rank has a core to itself (such a rank
-    spins longer for a large message: its bytes at ``spin_rate``, up to ``spin_max``). On a node
-    whose ranks outnumber its cores a rank spins ``spin_shared`` instead (when set), yielding its
-    core between polls, and holds ``yield_share`` of a core meanwhile: a long piece of work
-    beside it hardly slows down, a short one still waits for its turn on the core (the busiest
-    core's pace below counts the spinner). A node's ranks
-    share its ``cores`` (processor sharing among working and spinning ranks: a piece of work
-    shorter than ``balance`` at the busiest core's pace, ceil(ranks / cores) to a core, a longer
-    one at the fair share, ranks / cores; work on a shared core is ``sharing_loss`` less
-    efficient; k ranks working at once slow each other down by 1 + contention (k - 1));
-    ``background`` other runnable threads per rank share the cores too (a loaded machine). Every call (``prog.calls`` of them back to back) costs each rank
-    ``call_overhead`` of CPU at its start; ``executor``: the call runs through the executor,
-    each intra-node message op costing ``exec_overhead`` more. On a node whose ranks outnumber
-    its cores, ``latency_cpu`` of an intra-node message's latency is its sender's CPU. Single
-    copy (``single_min``): in a call that reduces nothing, an intra-node message that large
-    costs its sender o and its receiver o plus ``single_beta`` per byte, readable as soon as it is posted; the sender's step ends only
-    once it has been read (its buffer is in use until then). The last rank's end is the time
-    of all calls."""
-    p = prog.size
-    if len(node_of) != p:
-        raise ValueError(f"node map names {len(node_of)} ranks, not {p}")
-    g, d = hm.gamma, hm.delta
-    links = []
-    for hl in (hm.intra, hm.inter):
-        lat = max(0.0, hl.alpha - 3 * hl.overhead)
-        # a call run by the executor (not the small-message path) costs more per message op
-        o = hl.overhead + (hm.exec_overhead if executor and hl is hm.intra else 0.0)
-        links.append((o, lat, hl.beta / 2, hl.beta / 2, hl.chunk))
-    # link class 2: the single-copy read (the sender publishes its buffer's address; the whole
-    # message is readable at once, so ``chunk`` is unbounded)
-    links.append((links[0][0], links[0][1], 0.0, hm.single_beta, 1 << 62))
-    single = hm.single_min > 0 and not (prog.msg_reduce.any() or prog.step_reduce.any())
-    nodes: Dict[Any, int] = {}
-    for t in node_of:
-        nodes[t] = nodes.get(t, 0) + 1
-    cores = {n: (min(hm.cores, k) if hm.cores and not hm.background else hm.cores or k)
-             for n, k in nodes.items()}
-    shared = {n: (hm.cores or k) < k for n, k in nodes.items()}
-    M = prog.messages
-    src, dst = prog.msg_src.tolist(), prog.msg_dst.tolist()
-    mbytes = (prog.msg_count * itemsize).tolist()
-    mlink = [(2 if single and nb >= hm.single_min else 0) if node_of[a] == node_of[b] else 1
-             for a, b, nb in zip(src, dst, mbytes)]
-    mreduce = prog.msg_reduce.tolist()
-    lat_cpu = [hm.latency_cpu * links[k][1] if k != 1 and shared[node_of[a]] else 0.0
-               for a, k in zip(src, mlink)]     # latency the sender spends on a core
-    first = [math.inf] * M          # when the message's first piece / last piece is visible
-    last = [math.inf] * M
-    exists = [False] * M            # its sender has begun the step that sends it
-    read = [math.inf] * M           # when its receiver has it all (a single-copy send ends then)
-    held: List[List[int]] = [[] for _ in range(p)]   # the step's single-copy sends, unread
-    send_ptr, recv_ptr = prog.send_ptr.tolist(), prog.recv_ptr.tolist()
-    recv_order = prog.recv_order.tolist()
-    copy_b = (prog.step_copy * itemsize).tolist()
-    red_b = (prog.step_reduce * itemsize).tolist()
-    rank_first = prog.rank_first.tolist()
-    per_call = [max(1, (rank_first[r + 1] - rank_first[r]) // max(1, prog.calls))
-                for r in range(p)]
-    step = [rank_first[r] - 1 for r in range(p)]
-    todo: List[List[Tuple[str, Any, Any]]] = [[] for _ in range(p)]
-    recvs: List[List[int]] = [[] for _ in range(p)]       # message ids, in op order
-    cpu = [0.0] * p
-    piece = [0.0] * p                    # CPU length of the work item in progress
-    mark: List[Any] = [None] * p
-    waiting: List[Any] = [None] * p     # None, ("first", None): any receive, ("last", message)
-    wait_since = [0.0] * p
-    wake_at: List[Optional[float]] = [None] * p
-    # how long a wait spins before the rank sleeps, and how much of a core the spin holds: on a
-    # node whose ranks outnumber its cores the engine polls with sched_yield between passes
-    yielding = [bool(hm.spin_shared) and shared[node_of[r]] for r in range(p)]
-    spin_of = [hm.spin_shared if yielding[r] else hm.spin for r in range(p)]
-    spin_hold = [hm.yield_share if yielding[r] else 1.0 for r in range(p)]
-    long_spin = hm.spin_rate > 0 and hm.spin_max > hm.spin
-
-    def wait_for(r: int, state, nbytes: float) -> None:
-        waiting[r], wait_since[r] = state, now
-        if long_spin and not shared[node_of[r]]:
-            spin_of[r] = min(hm.spin_max, max(hm.spin, nbytes / hm.spin_rate))
-    done = [False] * p
-    end = [0.0] * p
-    now = 0.0
-    events = 0
-
-    def begin_step(r: int) -> None:
-        step[r] += 1
-        s = step[r]
-        if s >= rank_first[r + 1]:
-            done[r], end[r] = True, now
-            return
-        work = copy_b[s] * d + red_b[s] * g
-        if (s - rank_first[r]) % per_call[r] == 0:
-            work += hm.call_overhead
-        for m in recv_order[recv_ptr[s]:recv_ptr[s + 1]]:
-            work += links[mlink[m]][0]
-            recvs[r].append(m)
-        items: List[Tuple[str, Any, Any]] = [("cpu", work, None)]
-        for m in range(send_ptr[s], send_ptr[s + 1]):
-            o, lat, bs, br, chunk = links[mlink[m]]
-            exists[m] = True
-            if mlink[m] == 2:
-                held[r].append(m)
-            head = min(mbytes[m], chunk) * bs
-            items.append(("cpu", o + head + lat_cpu[m], ("first", m)))
-            items.append(("cpu", mbytes[m] * bs - head, ("last", m)))
-        todo[r] = items
-        advance(r)
-
-    def advance(r: int) -> None:
-        while True:
-            if todo[r]:
-                kind, what, stamp = todo[r].pop(0)
-                if kind == "cpu":
-                    if what > 0:
-                        cpu[r] = piece[r] = what
-                        mark[r] = stamp
-                        return
-                    finish(stamp)
-                    continue
-                if last[what] > now:             # the sender's final piece is not in yet
-                    wait_for(r, ("last", what), mbytes[what])
-                    return
-                continue
-            ready = [(first[m], i, m) for i, m in enumerate(recvs[r])
-                     if exists[m] and first[m] <= now]
-            if ready:
-                _, i, m = min(ready, key=lambda x: (x[0], x[1]))
-                recvs[r].pop(i)
-                o, lat, bs, br, chunk = links[mlink[m]]
-                per = max(br, g) if mreduce[m] else br
-                tail = min(mbytes[m], chunk) * per
-                todo[r] = [("cpu", o + mbytes[m] * per - tail, None), ("last", m, None),
-                           ("cpu", tail, ("read", m))]
-                continue
-            if recvs[r]:
-                wait_for(r, ("first", None), max(mbytes[m] for m in recvs[r]))
-                return
-            while held[r] and read[held[r][-1]] <= now:
-                held[r].pop()
-            if held[r]:                  # a single-copy send completes once it has been read
-                wait_for(r, ("read", held[r][-1]), mbytes[held[r][-1]])
-                return
-            begin_step(r)
-            return
-
-    def finish(stamp: Any) -> None:
-        if stamp is not None:
-            field_, m = stamp
-            if field_ == "read":
-                read[m] = now
-                return
-            (first if field_ == "first" else last)[m] = now + links[mlink[m]][1] - lat_cpu[m]
-
-    def satisfied(r: int) -> bool:
-        kind, m = waiting[r]
-        if kind == "last":
-            return last[m] <= now
-        if kind == "read":
-            return read[m] <= now
-        return any(exists[x] and first[x] <= now for x in recvs[r])
-
-    def pending_times(r: int):
-        kind, m = waiting[r]
-        if kind == "last":
-            yield last[m]
-            return
-        if kind == "read":
-            yield read[m]
-            return
-        for x in recvs[r]:
-            if exists[x]:
-                yield first[x]
-
-    for r in range(p):
-        begin_step(r)
-    while not all(done):
-        events += 1
-        moved = True
-        while moved:                     # wake every rank whose message has arrived
-            moved = False
-            for r in range(p):
-                if done[r] or waiting[r] is None or not satisfied(r):
-                    continue
-                if wake_at[r] is None and now - wait_since[r] > spin_of[r] \
-                        and not shared[node_of[r]] and hm.wake > 0:
-                    wake_at[r] = now + hm.wake   # it fell asleep: the kernel wakes it
-                if wake_at[r] is not None and wake_at[r] > now:
-                    continue
-                wake_at[r], waiting[r] = None, None
-                advance(r)
-                moved = True
-        if all(done):
-            break
-        busy = dict.fromkeys(nodes, 0.0)     # working or spinning: they hold a core
-        working = dict.fromkeys(nodes, 0)
-        for r in range(p):
-            if done[r]:
-                continue
-            if waiting[r] is None:
-                working[node_of[r]] += 1
-                busy[node_of[r]] += 1
-            elif wake_at[r] is None and now - wait_since[r] <= spin_of[r]:
-                busy[node_of[r]] += spin_hold[r]
-        pinned, spread = {}, {}
-        for n in nodes:
-            # A short piece of work runs at the busiest core's pace: ceil(busy / cores) ranks
-            # time-slice it (the scheduler places whole processes; 3 ranks on 2 cores run two
-            # to a core). A long one at the fair share, busy / cores to a core: over its length
-            # the kernel moves the ranks between cores (wake-up placement, load balancing).
-            # Other runnable threads take their share of every core either way.
-            slow = 1 + hm.contention * max(0, min(working[n], cores[n]) - 1)
-            others = hm.background * nodes[n] / cores[n]
-            # (busy counts a yielding spinner as a fraction of a rank: round before the ceil)
-            for rates, per_core in ((pinned, math.ceil(round(busy[n] / cores[n], 9))),
-                                    (spread, busy[n] / cores[n])):
-                share = min(1.0, 1.0 / (per_core + others)) if busy[n] else 1.0
-                rates[n] = share / (1 + hm.sharing_loss * (1 - share)) / slow
-        rate = [(spread if piece[r] >= hm.balance else pinned)[node_of[r]] for r in range(p)]
-        nxt = math.inf
-        for r in range(p):
-            if done[r]:
-                continue
-            if waiting[r] is None:
-                nxt = min(nxt, now + cpu[r] / rate[r])
-                continue
-            if wake_at[r] is not None:
-                nxt = min(nxt, wake_at[r])
-                continue
-            if now - wait_since[r] <= spin_of[r]:
-                nxt = min(nxt, wait_since[r] + spin_of[r] * (1 + 1e-9) + 1e-12)
-            for t in pending_times(r):
-                if t > now:
-                    nxt = min(nxt, t)
-        if nxt == math.inf:
-            stuck = [r for r in range(p) if not done[r]][:8]
-            raise ScheduleError(f"the schedules deadlock: ranks {stuck} wait for messages that "
-                                f"are never sent")
-        for r in range(p):
-            if not done[r] and waiting[r] is None:
-                cpu[r] -= (nxt - now) * rate[r]
-        now = nxt
-        for r in range(p):
-            if not done[r] and waiting[r] is None and cpu[r] <= 1e-15:
-                stamp, mark[r] = mark[r], None
-                finish(stamp)
-                advance(r)
-    return RunStats(max(end) if p else 0.0, np.array(end), np.zeros(0), events,
-                    np.array(last))
+    """Time the program as processes on the CPU cores of their nodes (``node_of[r]``: rank r's
+    node): the host machine of host.py (``HostRun``; its docstring has the timing rules), which
+    ``algorithm="auto"`` prices minicomm's own transports on. ``executor``: the call runs
+    through the executor rather than the small-message path. A cycle of waits raises
+    ``ScheduleError``."""
+    try:
+        run = HostRun(prog, node_of, hm, itemsize, executor).run()
+    except HostDeadlock as e:
+        raise ScheduleError(str(e)) from e
+    return RunStats(run.time_s, np.array(run.rank_end), np.zeros(0), run.events,
+                    np.array(run.last_visible))
 
 
 # ---------------------------------------------------------------------------- entry points

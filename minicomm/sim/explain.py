@@ -18,7 +18,7 @@ Arithmetic (S = gradient bytes, p ranks, m servers of g accelerators, B a link's
                                               factor is rounded to 1; exactly: flat ring
                                               128 * 2(1023/1024) S = 89.51 TB, hier 2 * 127 * S =
                                               88.9 TB. Counted once (sent), not sent + received.
-Every number is also measured in the simulation (bytes through NIC links, time).
+Every number is also counted in the simulation (bytes through NIC links, time).
 """
 from __future__ import annotations
 
