@@ -11,7 +11,7 @@ from .ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM
 from .p2p import ANY_SOURCE, ANY_TAG, Status
 from .tuning import agree_link_model
 
-# The composition root: new worlds agree on measured links (minicomm.tuning sits above the
+# The composition root: new worlds agree on their links' model (minicomm.tuning sits above the
 # launcher, so the launcher takes its measurement as a hook instead of importing it).
 set_link_agreement(agree_link_model)
 del set_link_agreement, agree_link_model

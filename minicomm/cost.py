@@ -100,10 +100,10 @@ SIM_MAX_RANKS = 16         # simulate up to this many ranks (a few ms per new si
 # the busiest rank (o is fitted to small calls): docs/decisions/cost-model-auto-choice.md
 NEAR = 0.05
 # A receiver sees a message piece by piece: shm publishes records of up to 1 MiB (transports/
-# shm.py CHUNK), a socket delivers what has arrived.
+# shm/layout.py CHUNK), a socket delivers what has arrived.
 PIPELINE_CHUNK = {"shm": 1 << 20}
-# A shm message crosses its pair's ring (transports/shm.py _default_ring_bytes: 4 MiB up to 16
-# peers): each of its two copies touches the user's buffer and the ring, which stays in cache.
+# A shm message crosses its pair's ring (transports/shm/layout.py _default_ring_bytes: 4 MiB up
+# to 16 peers): each of its two copies touches the user's buffer and the ring, which stays in cache.
 RING_BYTES = {"shm": 4 << 20}
 # shm's single-copy reads (transports/cma.py DEFAULT_MIN; a world's LinkModel carries the size
 # its pairs' setup probes chose, and this is only the fallback): a non-reducing call's messages

@@ -39,16 +39,15 @@ FUSE_MIN_COUNT = 4096
 _new_tag = tuple.__new__
 # A step's local ops of at least this many bytes run on a helper thread beside the step's
 # messages where the plan allows it (``_background_steps``) and the node has the cores
-# (``_helpers_allowed``): a gather root's copy of its own 32 MiB block takes ~4 ms here, as long
-# as reading the peer's block; a thread costs ~0.1 ms to start.
+# (``_helpers_allowed``): a root's copy of its own large block takes as long as reading the
+# peer's, and a thread costs a small fraction of that to start.
 BACKGROUND_MIN_BYTES = byte_setting("MINICOMM_LOCAL_THREAD_BYTES", 4 << 20)
 LOCAL_THREADS = env_flag("MINICOMM_LOCAL_THREADS", True)
 HELPER_JOIN_S = 60.0          # the longest an error path waits for a helper's local copy to end
-# Large local copies go in pieces of this many bytes: one memcpy of many MiB runs ~1.4x slower
-# here than the same bytes in cache-sized pieces (measured: 32 MiB in 3.3-4.8 ms whole, 2.4 ms
-# in 256 KiB pieces). Every local copy goes through bytecopy.copy: an out-of-place call's input
-# and output, allocated one after the other, are often 16 bytes apart modulo a page, where
-# memmove of such pieces is ~10x slower on AMD Zen 3/4 (a 1 MiB root copy: 590 us, against 33).
+# Large local copies go in cache-sized pieces of this many bytes, faster than one memcpy of many
+# MiB; every local copy goes through bytecopy.copy, since an out-of-place call's input and output
+# are often 16 bytes apart modulo a page, where memmove is slow on some CPUs
+# (docs/decisions/glibc-copy-workaround.md).
 _COPY_PIECE = 256 << 10
 
 
@@ -348,18 +347,19 @@ class LazyCheck:
 
 
 def run_plan(plan: Plan, transport, bufs, kernel, tag: Tag, deadline: float, what: str,
-             guard: "LazyCheck | None" = None) -> None:
+             guard: "LazyCheck | None" = None, *, oversubscribed: bool = True) -> None:
     """Execute ``plan`` with flat buffers ``bufs`` = (in, out, tmp); ``kernel(dst, src)``
     reduces in place (and carries its ufunc as ``kernel.ufunc``). ``tag`` is the call's tag;
     its ``step`` field is set per step. ``guard``: receives checked as they arrive, all of
-    them before the call returns (``LazyCheck``)."""
+    them before the call returns (``LazyCheck``). ``oversubscribed``: the transport's
+    capability of that name (this node's ranks outnumber its cores: no helper threads)."""
     isend, irecv, wait_all = transport.isend, transport.irecv, transport.wait_all
     if guard is not None:
         def wait_all(reqs, dl, w):
             guard.wait(transport, reqs, dl, w)
     comm, seq, call, count = tag[0], tag[1], tag[3], tag[4]
     background = plan.background
-    if background is not None and not _helpers_allowed(transport, bufs):
+    if background is not None and not _helpers_allowed(oversubscribed, bufs):
         background = None
     helper = joins = None
     try:
@@ -424,10 +424,11 @@ def _local_bytes(local, bufs) -> int:
     return sum(op[5] for op in local) * bufs[1].itemsize
 
 
-def _helpers_allowed(transport, bufs) -> bool:
-    """Local ops may run on a helper thread (``Plan.background``): the transport says this
-    node's ranks do not outnumber its cores, the caller's input and output are separate memory
-    (an in-place call's ``in`` lies inside ``out``, where the regions the plan names do not
-    say what overlaps), and ``MINICOMM_LOCAL_THREADS`` is not 0."""
-    return (LOCAL_THREADS and getattr(transport, "oversubscribed", True) is False
+def _helpers_allowed(oversubscribed: bool, bufs) -> bool:
+    """Local ops may run on a helper thread (``Plan.background``): this node's ranks do not
+    outnumber its cores (the transport's ``oversubscribed`` capability, passed in by the
+    caller), the caller's input and output are separate memory (an in-place call's ``in`` lies
+    inside ``out``, where the regions the plan names do not say what overlaps), and
+    ``MINICOMM_LOCAL_THREADS`` is not 0."""
+    return (LOCAL_THREADS and oversubscribed is False
             and not np.may_share_memory(bufs[0], bufs[1]))

@@ -3,9 +3,8 @@
 A call whose every message is small (at most the transport's ``small_bytes``, the size its
 ``send_now`` / ``recv_now`` move on the spot: for shm one ring record, up to a 1 MiB chunk) is
 latency-bound or close to it: interpreting the schedule, request objects and matching queues cost
-the same at any size, and below a chunk they are what separates a call from its copies (1 MiB
-calls ran 1.08-1.80x faster at n=2 and n=4 than with the old 16 KiB limit, interleaved in one
-job: examples/small_path_ab.py; the README's speed notes have the numbers). For those calls
+the same at any size, and below a chunk they are what separates a call from its copies (why up
+to a chunk: docs/decisions/small-message-path.md). For those calls
 the schedule is compiled once per (collective, algorithm, world size, rank, count, dtype, op,
 root) into a ``SmallPlan``: per step, the step index, the local ops, the sends and the receives
 as plain tuples with world ranks and buffer indices resolved. ``run_small`` walks that
@@ -327,113 +326,146 @@ def straight_line(plan: SmallPlan, exchange: bool = False, guarded: bool = False
     has ``sendrecv_now`` (shm), which a step whose one send and one receive are with the same
     peer calls instead of the two (the same calls, in one: ``send_now``, then ``recv_now`` only
     if the send went) -- unless a fingerprint must be received between the two."""
-    names = ("i", "o", "t")
-    group, me = plan.group, plan.schedule.rank
-    lines = ["def run(bufs, transport, kernel, comm, seq, call, count, deadline, what, spin"
-             + (", guard):" if guarded else "):"),
-             "    i, o, t = bufs",
-             None]                    # the transport's methods the body calls (filled in below)
-    used = set()
-    if guarded:
-        lines += ["    gm, gt = guard.mine, guard.tag",
-                  "    late = None"]
+    src = _Unrolled(plan, exchange, guarded).source()
+    scope = {"Tag": Tag, "_new_tag": _new_tag, "_take_fingerprints": _take_fingerprints,
+             "_GROUP": plan.group, "local_copy": local_copy}
+    exec(compile(src, f"<smallpath {plan.schedule.summary()}>", "exec"), scope)
+    return scope["run"]
+
+
+class _Unrolled:
+    """The source of ``straight_line``'s function, built step by step (``source()``)."""
+    _NAMES = ("i", "o", "t")
+
+    def __init__(self, plan: SmallPlan, exchange: bool, guarded: bool):
+        self.plan, self.exchange, self.guarded = plan, exchange, guarded
+        self.used = set()             # the transport's methods the body calls
+        self.lines = ["def run(bufs, transport, kernel, comm, seq, call, count, deadline, what, "
+                      "spin" + (", guard):" if guarded else "):"),
+                      "    i, o, t = bufs",
+                      None]           # their look-up (filled in by ``source``)
+
+    def source(self) -> str:
+        plan, lines = self.plan, self.lines
+        if self.guarded:
+            self._send_fingerprints()
+        for j, (k, local, sends, recvs) in enumerate(plan.steps):
+            self._step(j, k, local, sends, recvs)
+        if self.guarded:
+            if plan.never_from:
+                lines += self._fingerprints(plan.never_from)
+            lines += ["    if late is not None:",
+                      "        transport.wait_all(late, deadline, what)"]
+        # look up only the methods the body calls: a latency-bound call pays for every line
+        used = sorted(self.used)
+        lines[2] = (f"    {', '.join(used)} = {', '.join('transport.' + m for m in used)}"
+                    if used else "    pass")
+        return "\n".join(lines) + "\n"
+
+    def _send_fingerprints(self) -> None:
+        group, me = self.plan.group, self.plan.schedule.rank
+        self.lines += ["    gm, gt = guard.mine, guard.tag",
+                       "    late = None"]
         for r in range(len(group)):
             if r != me:
-                used.add("send_now")
-                lines += [f"    if not send_now({group[r]}, gm, gt):",
-                          "        if late is None:",
-                          "            late = []",
-                          f"        late.append(transport.isend({group[r]}, gm, gt))"]
+                self.used.add("send_now")
+                self.lines += [f"    if not send_now({group[r]}, gm, gt):",
+                               "        if late is None:",
+                               "            late = []",
+                               f"        late.append(transport.isend({group[r]}, gm, gt))"]
 
-    def fingerprints(ranks) -> list:
+    @staticmethod
+    def _fingerprints(ranks) -> list:
         return [f"    _take_fingerprints(guard, {tuple(ranks)!r}, _GROUP, transport, deadline, "
                 "what, spin)"]
 
-    def region(b: int, lo: int, hi: int, whole: bool) -> str:
-        return names[b] if whole else f"{names[b]}[{lo}:{hi}]"
-    def send(peer: int, b: int, lo: int, hi: int, whole: bool) -> list:
-        used.add("send_now")
-        return [f"    v = {region(b, lo, hi, whole)}",
+    def _region(self, b: int, lo: int, hi: int, whole: bool) -> str:
+        return self._NAMES[b] if whole else f"{self._NAMES[b]}[{lo}:{hi}]"
+
+    def _send(self, peer: int, b: int, lo: int, hi: int, whole: bool) -> list:
+        self.used.add("send_now")
+        return [f"    v = {self._region(b, lo, hi, whole)}",
                 f"    if not send_now({peer}, v, tag):",
                 "        if reqs is None:",
                 "            reqs = []",
                 f"        reqs.append(transport.isend({peer}, v, tag))"]
-    for j, (k, local, sends, recvs) in enumerate(plan.steps):
+
+    def _local(self, local) -> None:
+        names = self._NAMES
+        for red, sb, so, db, do, n, whole in local:
+            d = names[db] if whole else f"{names[db]}[{do}:{do + n}]"
+            s = names[sb] if whole else f"{names[sb]}[{so}:{so + n}]"
+            if red:
+                self.lines.append(f"    kernel({d}, {s})")
+            elif n * _MAX_ITEMSIZE < TRAP_MIN:       # too small for bytecopy's slow case
+                self.lines.append(f"    {d}[...] = {s}")
+            else:
+                self.lines.append(f"    local_copy({d}, {s})")
+
+    def _step(self, j: int, k: int, local, sends, recvs) -> None:
+        lines = self.lines
         early, sends = early_sends(local, sends)
         if early:
             lines += [f"    tag = _new_tag(Tag, (comm, seq, {k}, call, count))",
                       "    reqs = None"]
             for sd in early:
-                lines += send(*sd)
-        for red, sb, so, db, do, n, whole in local:
-            d = names[db] if whole else f"{names[db]}[{do}:{do + n}]"
-            s = names[sb] if whole else f"{names[sb]}[{so}:{so + n}]"
-            if red:
-                lines.append(f"    kernel({d}, {s})")
-            elif n * _MAX_ITEMSIZE < TRAP_MIN:       # too small for bytecopy's slow case
-                lines.append(f"    {d}[...] = {s}")
-            else:
-                lines.append(f"    local_copy({d}, {s})")
+                lines += self._send(*sd)
+        self._local(local)
         if not (early or sends or recvs):
-            continue
-        first = plan.first_from[j] if guarded else ()
+            return
+        first = self.plan.first_from[j] if self.guarded else ()
         if not early:
             lines.append(f"    tag = _new_tag(Tag, (comm, seq, {k}, call, count))")
-        if exchange and not early and len(sends) == 1 and len(recvs) == 1 and sends[0][0] == recvs[0][0] \
-                and not first:
-            peer, b, lo, hi, whole = sends[0]
-            _, rb, rlo, rhi, red, rwhole = recvs[0]
-            sv, rv, k_ = region(b, lo, hi, whole), region(rb, rlo, rhi, rwhole), \
-                "kernel" if red else "None"
-            used.add("sendrecv_now")
-            lines += [f"    r = sendrecv_now({peer}, {sv}, {rv}, tag, {k_}, spin)",
-                      "    if r != 3:",
-                      "        if r == 0:",
-                      f"            reqs = [transport.isend({peer}, {sv}, tag)]",
-                      f"            if not transport.recv_now({peer}, {rv}, tag, {k_}, 0.0):",
-                      f"                reqs.append(transport.irecv({peer}, {rv}, tag, {k_}))",
-                      "        else:",
-                      f"            reqs = [transport.irecv({peer}, {rv}, tag, {k_})]",
-                      "        transport.wait_all(reqs, deadline, what)"]
-            continue
+        if self.exchange and not early and len(sends) == 1 and len(recvs) == 1 \
+                and sends[0][0] == recvs[0][0] and not first:
+            self._sendrecv(sends[0], recvs[0])
+            return
         if not early:
             lines.append("    reqs = None")
         for sd in sends:
-            lines += send(*sd)
+            lines += self._send(*sd)
         if first:
-            lines += fingerprints(first)
+            lines += self._fingerprints(first)
         if len(recvs) == 1:
-            peer, b, lo, hi, red, whole = recvs[0]
-            k_ = "kernel" if red else "None"
-            used.add("recv_now")
-            lines += [f"    v = {region(b, lo, hi, whole)}",
-                      f"    if not recv_now({peer}, v, tag, {k_}, spin if reqs is None else 0.0):",
-                      "        if reqs is None:",
-                      "            reqs = []",
-                      f"        reqs.append(transport.irecv({peer}, v, tag, {k_}))"]
+            self._recv(*recvs[0])
         elif recvs:
-            items = ", ".join(f"({peer}, {names[b]}[{lo}:{hi}], {'kernel' if red else 'None'})"
-                              for peer, b, lo, hi, red, _ in recvs)
-            lines += [f"    waiting = transport.recv_now_many([{items}], tag, "
-                      "spin if reqs is None else 0.0)",
-                      "    if waiting:",
-                      "        if reqs is None:",
-                      "            reqs = []",
-                      "        for peer, v, k in waiting:",
-                      "            reqs.append(transport.irecv(peer, v, tag, k))"]
+            self._recv_many(recvs)
         lines += ["    if reqs is not None:",
                   "        transport.wait_all(reqs, deadline, what)"]
-    if guarded:
-        if plan.never_from:
-            lines += fingerprints(plan.never_from)
-        lines += ["    if late is not None:",
-                  "        transport.wait_all(late, deadline, what)"]
-    # look up only the methods the body calls: a latency-bound call pays for every line
-    used = sorted(used)
-    lines[2] = (f"    {', '.join(used)} = {', '.join('transport.' + m for m in used)}"
-                if used else "    pass")
-    scope = {"Tag": Tag, "_new_tag": _new_tag, "_take_fingerprints": _take_fingerprints,
-             "_GROUP": group, "local_copy": local_copy}
-    exec(compile("\n".join(lines) + "\n", f"<smallpath {plan.schedule.summary()}>", "exec"),
-         scope)
-    return scope["run"]
+
+    def _sendrecv(self, send, recv) -> None:
+        peer, b, lo, hi, whole = send
+        _, rb, rlo, rhi, red, rwhole = recv
+        sv, rv = self._region(b, lo, hi, whole), self._region(rb, rlo, rhi, rwhole)
+        k_ = "kernel" if red else "None"
+        self.used.add("sendrecv_now")
+        self.lines += [f"    r = sendrecv_now({peer}, {sv}, {rv}, tag, {k_}, spin)",
+                       "    if r != 3:",
+                       "        if r == 0:",
+                       f"            reqs = [transport.isend({peer}, {sv}, tag)]",
+                       f"            if not transport.recv_now({peer}, {rv}, tag, {k_}, 0.0):",
+                       f"                reqs.append(transport.irecv({peer}, {rv}, tag, {k_}))",
+                       "        else:",
+                       f"            reqs = [transport.irecv({peer}, {rv}, tag, {k_})]",
+                       "        transport.wait_all(reqs, deadline, what)"]
+
+    def _recv(self, peer: int, b: int, lo: int, hi: int, red: bool, whole: bool) -> None:
+        k_ = "kernel" if red else "None"
+        self.used.add("recv_now")
+        self.lines += [f"    v = {self._region(b, lo, hi, whole)}",
+                       f"    if not recv_now({peer}, v, tag, {k_}, spin if reqs is None else 0.0):",
+                       "        if reqs is None:",
+                       "            reqs = []",
+                       f"        reqs.append(transport.irecv({peer}, v, tag, {k_}))"]
+
+    def _recv_many(self, recvs) -> None:
+        names = self._NAMES
+        items = ", ".join(f"({peer}, {names[b]}[{lo}:{hi}], {'kernel' if red else 'None'})"
+                          for peer, b, lo, hi, red, _ in recvs)
+        self.lines += [f"    waiting = transport.recv_now_many([{items}], tag, "
+                       "spin if reqs is None else 0.0)",
+                       "    if waiting:",
+                       "        if reqs is None:",
+                       "            reqs = []",
+                       "        for peer, v, k in waiting:",
+                       "            reqs.append(transport.irecv(peer, v, tag, k))"]

@@ -37,7 +37,8 @@ default ``accumulate_ops = same_op_no_op`` -- and over shm with respect to every
         exclusive lock on the target, which already excludes everyone.
 Passive-target locks are a lock word in the target's window (exclusive bit + shared count),
 taken with atomics; a contended lock is polled with exponential backoff (yield, then sleeps
-from 1 us doubling to 1 ms) -- no RDMA NIC notifies a lock release -- until ``comm.timeout``.
+from a microsecond doubling to a millisecond) -- no RDMA NIC notifies a lock release -- until
+``comm.timeout``.
 
 Memory. ``array`` is copied into memory the transport can expose (a /dev/shm mapping the peers
 share, or the simulated NIC's registered region); ``win.local`` is that memory. ``free()`` copies
@@ -61,7 +62,6 @@ import numpy as np
 
 from . import ops as _ops
 from .errors import CommTimeout, RMAError
-from .transports import rma_backend
 
 CONTROL = 64                          # bytes before the data: the lock word, the accumulate lock
 _LOCK, _ACC = 0, 8
@@ -89,10 +89,10 @@ class Window:
     """An RMA window of one communicator (module doc); create with ``comm.window(array)``."""
 
     def __init__(self, comm, array):
-        backend = rma_backend(comm.transport)
+        backend = comm.caps.one_sided
         if backend is None:
             raise RMAError(f"comm.window needs the shm, rdma or ub transport to every rank; this "
-                           f"communicator runs on {getattr(comm.transport, 'name', '?')} (tcp "
+                           f"communicator runs on {comm.transport.name} (tcp "
                            f"cannot reach memory one-sided)")
         arr = np.asarray(array)
         if arr.dtype.kind not in "biufc":

@@ -271,23 +271,23 @@ def test_a_new_link_model_drops_the_scatter_calls_chosen_under_the_old_one():
 
 
 def _repeated_calls(comm):
-    """Every collective with a hot case (Communicator._quick, _scatter_quick) called again and
+    """Every collective with a hot case (Communicator._fast, the one fast path) called again and
     again with one signature -- the first call validates it, the next ones take the hot case --
     with out= absent, given, and aliasing the input, 1-D and blocked inputs, a result only at the
     root, avg's scaling, scatter's non-roots with x=None; each result against numpy. Returns
     how often the hot case ran."""
     from collective_check import rank_input, reference
-    from minicomm import communicator as C
+    from minicomm.communicator.buffers import MISS
     p, r = comm.size, comm.rank
     taken = []
 
     def spy(real):
         def spied(*a, **k):
             res = real(*a, **k)
-            taken.append(res is not C._MISS)
+            taken.append(res is not MISS)
             return res
         return spied
-    comm._quick, comm._scatter_quick = spy(comm._quick), spy(comm._scatter_quick)
+    comm._fast = spy(comm._fast)
     for dtype, op in ((np.float64, "sum"), (np.int32, "max"), (np.float32, "avg")):
         for coll, shape, root in (("broadcast", (7,), p - 1), ("reduce", (7,), p - 1),
                                   ("allgather", (5,), 0), ("gather", (2, 3), 1 % p),

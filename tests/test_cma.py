@@ -137,7 +137,7 @@ def _small_receive_behind_a_descriptor(comm):
     import time
 
     from minicomm.transports.base import Tag
-    from minicomm.transports.shm import _HEAD
+    from minicomm.transports.shm.layout import _HEAD
     t = comm.transport
     big = np.arange(1 << 19, dtype=np.float64)
     a, b = Tag(100, 1, 0, 0, big.size), Tag(104, 1, 0, 0, 1)

@@ -1,6 +1,8 @@
 """The executor's compile-time shortcuts give the results the plain schedule semantics give:
 a copy folded into a reduce-receive (``_fusable``), and in-place calls that skip copying the input
 aside when the plan is ``alias_safe``."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -119,7 +121,8 @@ def test_separate_tells_the_same_array_from_an_overlap():
     """``Communicator._separate``: a view of the output's own memory is the in-place call (the
     output itself comes back: nothing copied), an overlap at a whole-element offset is the
     shifted in-place view, one at a byte offset is copied, and separate memory is left alone."""
-    from minicomm.communicator import Communicator, _InPlace
+    from minicomm.communicator import Communicator
+    from minicomm.communicator.buffers import InPlace as _InPlace
     sep = Communicator._separate
     a = np.arange(8, dtype=np.float32)
     out = a[:]
@@ -140,7 +143,8 @@ def test_separate_decides_views_of_two_owners_without_looking_at_memory(monkeypa
     """Views of two different arrays that own their memory cannot overlap: decided from their
     bases alone (np.may_share_memory is not called). Views of one owner, or of memory numpy does
     not own (a bytearray), still get the full check, and their overlaps are still found."""
-    from minicomm.communicator import Communicator, _InPlace
+    from minicomm.communicator import Communicator
+    from minicomm.communicator.buffers import InPlace as _InPlace
     sep = Communicator._separate
     owner_a, owner_b = np.zeros(16, np.float32), np.zeros(16, np.float32)
     x, y = owner_a[4:12], owner_b[:8]
@@ -208,7 +212,7 @@ def _matrix_with_helpers(comm):
     from minicomm import executor
     executor.BACKGROUND_MIN_BYTES = 0
     comm.small_path = False
-    comm.transport.oversubscribed = False
+    comm.caps = dataclasses.replace(comm.caps, oversubscribed=False)
     before = executor._Helper.started
     n = 0
     for algo in FAMILIES:

@@ -143,6 +143,6 @@ def test_cost_model_mirrors_the_transports():
     assert cost.PIPELINE_CHUNK["shm"] == shm.CHUNK
     assert cost.LinkModel.for_transports("shm", "tcp").spin == progress.SPIN_S
     from minicomm.transports import cma
-    assert cost.RING_BYTES["shm"] == shm._default_ring_bytes(1)
+    assert cost.RING_BYTES["shm"] == shm.layout._default_ring_bytes(1)
     assert cost.SINGLE_COPY_MIN["shm"] == cma.DEFAULT_MIN
     assert cost.SMALL_BYTES["shm"] == shm.CHUNK    # what a transport's _setup sets small_bytes to

@@ -275,7 +275,7 @@ def _notice_behind_the_last_check(comm):
     # miss rank 0's notice (as if it always landed just after them; such a notice rings no
     # doorbell, since the flag was down when it landed); the check made with the flag raised
     # must find it
-    from minicomm.transports import shm
+    from minicomm.transports.shm import layout as shm_layout
     notice, call_tag, Tag = _notice_tags(comm)
     t = comm.transport
     if comm.rank == 0:
@@ -286,7 +286,7 @@ def _notice_behind_the_last_check(comm):
     check = t.check_foreign
 
     def check_only_while_flagged(tag):
-        if t._flag_q[shm._SLEEPING]:
+        if t._flag_q[shm_layout._SLEEPING]:
             check(tag)
     t.check_foreign = check_only_while_flagged
     result = _wait_for_error(t, t.irecv(1, np.empty(5), call_tag(0)))

@@ -24,6 +24,9 @@ from minicomm import rendezvous as rv
 from minicomm.launch import env as launch_env
 from minicomm.rendezvous import AuthError, RendezvousError, StoreClient, StoreServer, new_token
 from minicomm.transports import segment, shm
+from minicomm.transports.shm import layout as shm_layout
+from minicomm.transports.shm import peer as shm_peer
+from minicomm.transports.shm import segments as shm_segments
 
 NOBODY = 65534
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
@@ -534,8 +537,8 @@ def _fake_segment(path, owner_rank, peers, uid):
     with open(path, "wb") as f:
         f.write(b"\0" * size)
     with open(path, "r+b") as f:
-        f.write(struct.pack("@8sqqqq", shm._MAGIC, owner_rank, 65536, 4096, len(peers)))
-        f.seek(shm._RANKS_AT)
+        f.write(struct.pack("@8sqqqq", shm_layout._MAGIC, owner_rank, 65536, 4096, len(peers)))
+        f.seek(shm_layout._RANKS_AT)
         f.write(struct.pack(f"@{len(peers)}q", *peers))
     os.chown(path, uid, uid)
     os.chmod(path, 0o666)
@@ -549,7 +552,7 @@ def test_shm_attach_refuses_a_segment_another_user_owns():
     try:
         t = shm.ShmTransport.__new__(shm.ShmTransport)
         t.rank, t.job_id = 0, job
-        p = shm._Peer(1)
+        p = shm_peer._Peer(1)
         with pytest.raises(mc.CommError, match="owned by|permissions"):
             t._attach(p, path)
     finally:
@@ -572,7 +575,7 @@ def test_arena_attach_refuses_a_segment_another_user_owns():
 def test_shm_segments_are_created_owner_only(monkeypatch):
     """Segments are 0600 whatever the umask (checked at the moment the name is unlinked)."""
     modes = []
-    real = shm._unlink
+    real = shm_segments._unlink
 
     def record(path):
         try:
@@ -581,7 +584,7 @@ def test_shm_segments_are_created_owner_only(monkeypatch):
         except FileNotFoundError:
             pass
         real(path)
-    monkeypatch.setattr(shm, "_unlink", record)
+    monkeypatch.setattr(shm_segments, "_unlink", record)   # where setup looks it up
     old = os.umask(0)
     try:
         job = f"perm{os.getpid()}"
@@ -680,7 +683,7 @@ def test_spawn_token_is_not_in_argv_or_environment():
 # Every place that unpickles, audited (SECURITY.md lists them). A new one fails this test until
 # it is reviewed and added there: only data from this job's own processes may be unpickled.
 AUDITED_UNPICKLES = {
-    ("minicomm/communicator.py", "return cloudpickle.loads(arr.tobytes())"),
+    ("minicomm/communicator/objects.py", "return cloudpickle.loads(arr.tobytes())"),
     ("minicomm/launch/local.py", "status, value = cloudpickle.loads(raw)"),
     ("minicomm/launch/worker.py", "cfg = cloudpickle.loads(_read_exact(stdin, cfg_len))"),
     ("minicomm/launch/worker.py", "fn, args = cloudpickle.loads(blob)"),

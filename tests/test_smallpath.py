@@ -174,8 +174,8 @@ def test_small_path_off_switch(monkeypatch):
 
     def run(comm):
         y = comm.allreduce(np.ones(3, np.float32), algorithm="rhd")
-        import minicomm.communicator as cm
-        return y.tolist(), cm._SMALL_OFF, sum(1 for c in comm._calls.values() if c.small)
+        import minicomm.communicator.calls as cm
+        return y.tolist(), cm.SMALL_OFF, sum(1 for c in comm._calls.values() if c.small)
     for y, off, smalls in mc.spawn(run, world_size=2, transport="shm", timeout=120):
         assert y == [2.0, 2.0, 2.0] and off and smalls == 0
 
@@ -218,7 +218,7 @@ def test_small_path_detects_a_count_mismatch():
 def _count_executor_runs():
     """Make the communicator record each call it hands to the executor (``run_plan``); returns
     the list it fills and the function that undoes it."""
-    import minicomm.communicator as cm
+    import minicomm.communicator.calls as cm
     ran = []
     real = cm.run_plan
 

@@ -19,14 +19,15 @@ interface of a transport: rdma and ub themselves, shm through shmrma.py.
 
 Adding a transport: give it a builder in ``_BUILDERS`` and, to take part in ``"auto"``, a
 reachability rule in ``_AUTO_ORDER``; to be routed with others it implements the engine
-interface of progress.py (``progress()``, ``check(req, what)``) on a shared ``Progress``.
+interface of progress.py (base.py's ``ProgressEngine``) on a shared ``Progress``. What it offers
+beyond the two-sided core it declares in ``capabilities()`` (base.py's ``Capabilities``).
 """
 from __future__ import annotations
 
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-from .base import Request, Tag, Transport
+from .base import Capabilities, OneSided, RegisteredMemory, Request, Tag, Transport, capabilities_of
 from .progress import Progress
 
 
@@ -135,17 +136,25 @@ class RoutedTransport(Transport):
         self._progress = progress
         self._by_peer: Dict[int, Transport] = {p: transports[k] for k, ps in routes.items()
                                                for p in ps}
+        self._parts: List[Capabilities] = [capabilities_of(t) for t in transports.values()]
+
+    def capabilities(self) -> Capabilities:
+        """Registered memory is its shm part's; single-copy aggregates the parts'. No eager
+        channel (the small path would bypass the routing) and no one-sided access (a tcp peer
+        cannot be reached one-sided); helper threads stay off."""
+        registered = next((c.registered for c in self._parts if c.registered is not None), None)
+        return Capabilities(registered=registered, single_copy=self, describe=self.describe)
 
     def single_copy_peers(self) -> List[int]:
         """The peers our large sends reach single-copy, over whichever transport reaches them."""
-        return [p for t in self._transports.values()
-                for p in (t.single_copy_peers() if hasattr(t, "single_copy_peers") else ())]
+        return [p for c in self._parts if c.single_copy is not None
+                for p in c.single_copy.single_copy_peers()]
 
     def single_copy_from(self) -> int:
         """The size from which collective sends go single-copy to the peers that read us (the
         largest over the transports that have such peers; 0: none)."""
-        return max((t.single_copy_from() for t in self._transports.values()
-                    if hasattr(t, "single_copy_from")), default=0)
+        return max((c.single_copy.single_copy_from() for c in self._parts
+                    if c.single_copy is not None), default=0)
 
     def _route(self, peer: int) -> Transport:
         try:
@@ -185,30 +194,17 @@ class RoutedTransport(Transport):
             t.close()
 
 
-def rma_backend(transport):
+def rma_backend(transport) -> Optional[OneSided]:
     """The one-sided interface of ``transport`` (``rma_expose`` / ``rma_attach``, what windows
     use), or None: rdma and ub are their own; shm shares the window memory directly; tcp,
-    inproc and routed shm+tcp have none (a tcp peer cannot be reached one-sided)."""
-    from .fault import unwrap
-    transport = unwrap(transport)         # MINICOMM_FAULT's wrapper: RMA is not faulted
-    if hasattr(transport, "rma_expose"):
-        return transport
-    from .shm import ShmTransport
-    if isinstance(transport, ShmTransport):
-        from .shmrma import ShmRma
-        return ShmRma(transport)
-    return None
+    inproc and routed shm+tcp have none (a tcp peer cannot be reached one-sided). A thin read
+    of ``capabilities_of(transport).one_sided``."""
+    return capabilities_of(transport).one_sided
 
 
-def registered_memory(transport):
-    """The transport that hands out registered memory for ``transport`` (shm's
-    ``register_memory`` / ``free_memory`` / ``is_registered``: the peers on the node map it),
-    or None: on tcp, inproc and the one-sided transports registered arrays are plain arrays."""
-    from .shm import ShmTransport
-    if isinstance(transport, ShmTransport):
-        return transport
-    if isinstance(transport, RoutedTransport):
-        shm = transport._transports.get("shm")
-        if isinstance(shm, ShmTransport):
-            return shm
-    return None
+def registered_memory(transport) -> Optional[RegisteredMemory]:
+    """What hands out registered memory for ``transport`` (shm's ``register_memory`` /
+    ``free_memory`` / ``is_registered``: the peers on the node map it), or None: on tcp, inproc
+    and the one-sided transports registered arrays are plain arrays. A thin read of
+    ``capabilities_of(transport).registered``."""
+    return capabilities_of(transport).registered

@@ -41,11 +41,21 @@ under the target's mutex. Failed accesses raise ``RMAError`` naming the transpor
 ``reduce`` lets a transport reduce straight out of its landing memory (shared memory, a socket
 buffer it owns) into the destination, saving a copy: ``reduce(dst_view, incoming_view)`` performs
 ``dst op= incoming`` in place. Zero-byte messages are real messages (they order; barrier uses them).
+
+Capabilities. Beyond the two-sided core (``TwoSided``) a transport may offer an eager
+small-message channel (``EagerChannel``), registered memory (``RegisteredMemory``), single-copy
+reads (``SingleCopy``) and one-sided access (``OneSided``). It says which by overriding
+``capabilities()``; ``capabilities_of(transport)`` is the one place the layers above learn them
+(a communicator does, once, when it is built) and checks each declared capability against its
+Protocol. A transport without a capability gets the general path: nothing above probes a
+transport with ``getattr`` / ``hasattr`` / ``isinstance``. ``ProgressEngine`` and ``FutexSleep``
+declare what ``progress.Progress`` calls on the engines it drives.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable, List, NamedTuple, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, List, NamedTuple, Optional, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -75,6 +85,173 @@ class Request:
         self.peer, self.buf, self.tag, self.reduce = peer, buf, tag, reduce
         self.is_send = is_send
         self.done = False
+
+
+# ------------------------------------------------------------------------- the declared contract
+@runtime_checkable
+class TwoSided(Protocol):
+    """The core every transport implements (the module doc, and ``Transport`` below)."""
+    name: str
+    rank: int
+    size: int
+
+    def isend(self, peer: int, buf: np.ndarray, tag: Tag) -> Request: ...
+
+    def irecv(self, peer: int, buf: np.ndarray, tag: Tag,
+              reduce: Optional[ReduceFn] = None) -> Request: ...
+
+    def wait_all(self, requests: List[Request], deadline: float, what: str) -> None: ...
+
+    def wait_any(self, requests: List[Request], deadline: float, what: str) -> None: ...
+
+    def cancel_context(self, ctx: int, error: BaseException) -> None: ...
+
+    def detach(self, req: Request) -> np.ndarray: ...
+
+    def abort(self, reason: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class EagerChannel(Protocol):
+    """The small-message channel (minicomm.smallpath): messages of up to ``small_bytes`` move
+    with no request object. Each call returns a falsy value when it moved nothing; the caller
+    then posts the message with ``isend`` / ``irecv`` as usual."""
+    small_bytes: int
+
+    def send_now(self, peer: int, buf: np.ndarray, tag: Tag) -> bool:
+        """Send now, or False (nothing written)."""
+
+    def recv_now(self, peer: int, buf: np.ndarray, tag: Tag, reduce: Optional[ReduceFn],
+                 spin: float) -> bool:
+        """Receive (or reduce) within ``spin`` seconds, or False (nothing consumed)."""
+
+    def sendrecv_now(self, peer: int, sbuf: np.ndarray, rbuf: np.ndarray, tag: Tag,
+                     reduce: Optional[ReduceFn], spin: float) -> int:
+        """``send_now`` then ``recv_now``: 0 nothing sent, 1 sent only, 3 both done."""
+
+    def recv_now_many(self, waiting: list, tag: Tag, spin: float) -> list:
+        """``recv_now`` for ``[(peer, buf, reduce), ...]``; returns those still waiting."""
+
+
+@runtime_checkable
+class RegisteredMemory(Protocol):
+    """Memory the peers map: messages from it move with one copy (what ``comm.empty`` and
+    ``comm.register`` hand out)."""
+
+    def register_memory(self, nbytes: int) -> np.ndarray:
+        """A page-aligned uint8 array of ``nbytes`` the peers can map."""
+
+    def free_memory(self, arr: np.ndarray) -> bool:
+        """Stop sharing ``arr``'s memory (it stays valid); False if it is not registered."""
+
+    def is_registered(self, arr: np.ndarray) -> bool:
+        """Whether ``arr`` lies wholly in registered memory."""
+
+
+@runtime_checkable
+class SingleCopy(Protocol):
+    """Large sends the receiver reads straight from the sender's memory (shm's cma.py)."""
+
+    def single_copy_peers(self) -> List[int]:
+        """The peers this rank's large sends reach single-copy."""
+
+    def single_copy_from(self) -> int:
+        """The size from which collective sends go single-copy (0: to no peer)."""
+
+
+@runtime_checkable
+class OneSided(Protocol):
+    """What windows (minicomm.window) use: the module doc's "One-sided"."""
+
+    def rma_expose(self, nbytes: int, name: str) -> Any:
+        """This rank's exposed memory (``u8``, ``descriptor``, ``seal()``, ``close()``)."""
+
+    def rma_attach(self, peer: int, descriptor: bytes, channel: int) -> Any:
+        """A channel to ``peer``'s exposed memory (``put``, ``get``, ``fadd``, ``cas``, ...)."""
+
+
+@runtime_checkable
+class ProgressEngine(Protocol):
+    """What ``progress.Progress`` calls on each engine it drives (see progress.py)."""
+    name: str
+    rank: int
+
+    def progress(self) -> bool:
+        """One non-blocking pass over the posted work; True if anything moved."""
+
+    def check(self, req: Request, what: str) -> None:
+        """Raise if ``req`` can never complete."""
+
+    def check_foreign(self, tag: Tag) -> None:
+        """Raise if a peer's unclaimed message proves the call waiting on ``tag`` cannot end."""
+
+    def sleep(self, flag: int) -> None:
+        """Raise (non-zero) or lower the flag peers read before ringing a doorbell."""
+
+
+@runtime_checkable
+class FutexSleep(Protocol):
+    """An engine whose poller may sleep on a futex word instead of epoll (shm alone)."""
+    futex_ok: bool
+
+    def futex_value(self) -> int:
+        """The word's value, read after the flag is raised and before the last pass."""
+
+    def futex_block(self, value: int, timeout: float) -> None:
+        """Sleep while the word holds ``value``, at most ``timeout`` seconds."""
+
+    def kick(self) -> None:
+        """Wake this engine's own futex sleeper."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a transport offers beyond ``TwoSided``: each field the object to call, or None."""
+    eager: Optional[EagerChannel] = None          # usually the transport itself
+    registered: Optional[RegisteredMemory] = None
+    single_copy: Optional[SingleCopy] = None
+    one_sided: Optional[OneSided] = None
+    oversubscribed: bool = True       # this node's ranks outnumber its cores (no helper threads)
+    describe: Optional[Callable[[], str]] = None   # one line on routes and copies (debug=info)
+    job_id: Optional[str] = None      # the job id in the transport's shared-memory names (shm)
+    device_job_id: Optional[str] = None   # ... in its simulated NIC device's (rdma, ub)
+
+
+# field of Capabilities -> the Protocol its object must implement
+_DECLARED = (("eager", EagerChannel), ("registered", RegisteredMemory),
+             ("single_copy", SingleCopy), ("one_sided", OneSided))
+
+
+def _members(proto: type) -> List[str]:
+    """The attributes and methods ``proto`` declares (its own, not Protocol's machinery)."""
+    names = list(vars(proto).get("__annotations__", {}))
+    return names + [k for k, v in vars(proto).items() if callable(v) and not k.startswith("_")]
+
+
+def _require(transport, obj, proto: type, what: str) -> None:
+    if isinstance(obj, proto):
+        return
+    missing = [m for m in _members(proto) if not hasattr(obj, m)]
+    raise TypeError(f"transport {type(transport).__name__} declares {what} ({proto.__name__}) "
+                    f"but {type(obj).__name__} lacks {', '.join(missing) or '?'}")
+
+
+def capabilities_of(transport) -> Capabilities:
+    """THE one place a transport's capabilities are learned: its own ``capabilities()``, each
+    declared capability checked against its Protocol. Raises TypeError naming the transport and
+    the missing members when a declared capability (or the two-sided core) is not implemented."""
+    caps = transport.capabilities()
+    if not isinstance(caps, Capabilities):
+        raise TypeError(f"transport {type(transport).__name__}.capabilities() returned "
+                        f"{type(caps).__name__}, not Capabilities")
+    _require(transport, transport, TwoSided, "the two-sided core")
+    for field, proto in _DECLARED:
+        obj = getattr(caps, field)
+        if obj is not None:
+            _require(transport, obj, proto, field)
+    return caps
 
 
 class Transport:
@@ -108,6 +285,11 @@ class Transport:
 
     def close(self) -> None:
         pass
+
+    def capabilities(self) -> Capabilities:
+        """What this transport offers beyond the two-sided core (default: nothing); read it
+        through ``capabilities_of``."""
+        return Capabilities()
 
 
 def remaining(deadline: float) -> float:

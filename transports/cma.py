@@ -2,7 +2,7 @@
 
 ``process_vm_readv(pid, local_iov, remote_iov)`` copies bytes from another process's address
 space into ours in one pass inside the kernel: no shared staging buffer, no copy into it. The
-shm transport uses it for large messages (see shm.py, "Single copy"): the sender publishes
+shm transport uses it for large messages (shm/singlecopy.py): the sender publishes
 (address, length) of its buffer in a ring record, the receiver reads it straight into the
 destination (or, for a reducing receive, into a small cache-resident scratch it reduces from),
 then hands the record's ring space back, which tells the sender its buffer is free again. MPICH
@@ -17,14 +17,13 @@ setup, and a pair whose probe fails (or ``MINICOMM_CMA=0``) keeps the ring path:
 algorithms, the data copied twice through shared memory. The choice per peer is logged under
 ``MINICOMM_DEBUG=info`` and shown by ``ShmTransport.describe_copies()``.
 
-Cost: one system call per transfer (~1-3 us) plus one copy of the bytes, the kernel pinning the
-remote pages as it goes. How fast that copy is depends on the machine: ~23 GB/s for a cached 512
-KiB on one VM this project runs on, ~6 GB/s on another (an EPYC, where a user-space memcpy of
-the same bytes runs at ~25 GB/s). So the setup probe also times the pair (``pace``: the best of
-three 256 KiB reads of the peer's probe buffer, and of three local copies of as many bytes), and
-``choose_min`` picks the size from which that peer's collective sends go single-copy: 256 KiB
-where the read keeps up with the ring's two copies, 16 MiB where it does not.
-``MINICOMM_CMA_MIN`` fixes the size for every pair instead.
+Cost: one system call per transfer plus one copy of the bytes, the kernel pinning the remote
+pages as it goes. How fast that copy is, against a user-space memcpy, differs from machine to
+machine (docs/decisions/shm-single-copy-threshold.md). So the setup probe also times the pair
+(``pace``: the best of three 256 KiB reads of the peer's probe buffer, and of three local copies
+of as many bytes), and ``choose_min`` picks the size from which that peer's collective sends go
+single-copy: ``DEFAULT_MIN`` where the read keeps up with the ring's two copies, ``SLOW_MIN``
+where it does not. ``MINICOMM_CMA_MIN`` fixes the size for every pair instead.
 """
 from __future__ import annotations
 
@@ -38,18 +37,14 @@ import numpy as np
 
 ENV = "MINICOMM_CMA"                 # "0" / "off": never use single-copy reads
 MIN_ENV = "MINICOMM_CMA_MIN"         # messages of at least this many bytes go single-copy
-# A collective's messages from 256 KiB (its schedule is verified deadlock-free under rendezvous
-# sends; shm.py, "Single copy", has the measurements); point-to-point sends stay eager, through
-# the ring, up to 2 MiB: such a send returns at once, while its receiver computes (a parameter
-# server's push), where a single-copy send waits for the receiver to enter the library.
+# A collective's messages go single-copy from DEFAULT_MIN (its schedule is verified deadlock-free
+# under rendezvous sends); point-to-point sends stay eager, through the ring, up to P2P_MIN: such
+# a send returns at once, while its receiver computes (a parameter server's push), where a
+# single-copy send waits for the receiver to enter the library. Where the kernel's read is slow
+# against a local copy (``choose_min``), only from SLOW_MIN. The thresholds:
+# docs/decisions/shm-single-copy-threshold.md
 DEFAULT_MIN = 256 << 10
 P2P_MIN = 2 << 20
-# Where the kernel's read is slow against a local copy (``choose_min``), a collective's messages
-# go single-copy only from this size: on an EPYC VM whose process_vm_readv moves ~6 GB/s against
-# ~25 GB/s for a cached memcpy, the ring's two pipelined copies won up to 8 MiB messages (in-process
-# A/B, n=2, 1 MiB calls: broadcast 486 -> 265 us, scatter 412 -> 198, gather 341 -> 150, allgather
-# 199 -> 155, alltoall 261 -> 156; n=4 1.3-1.9x) and single copy from 16 MiB (32 MiB calls:
-# broadcast 1.64x, allgather 1.36x, alltoall 1.22x faster single-copy).
 SLOW_MIN = 16 << 20
 PACE_BYTES = 256 << 10               # what the setup probe reads and copies to time the pair
 

@@ -40,12 +40,12 @@ import random
 import re
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import FrozenSet, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .base import Request, Tag, Transport
+from .base import Capabilities, Request, Tag, Transport, capabilities_of
 
 ENV = "MINICOMM_FAULT"
 KEYS = ("drop", "delay", "crash", "after", "ranks", "seed")
@@ -175,7 +175,8 @@ def wrap(transport: Transport, rank: int, processes: bool = True,
 
 
 def unwrap(transport: Transport) -> Transport:
-    return getattr(transport, "inner_transport", transport)
+    """The transport a ``FaultTransport`` wraps, else ``transport`` (tests reach its links)."""
+    return transport.inner_transport if isinstance(transport, FaultTransport) else transport
 
 
 class _Lost(Request):
@@ -204,8 +205,16 @@ class FaultTransport(Transport):
         self.lost = 0                    # messages dropped so far (for tests and reports)
         self._crashed = False
 
-    def __getattr__(self, name):         # describe(), rma_expose, job_id, ... of the inner one
+    def __getattr__(self, name):         # describe(), recv_now, small_bytes, ... of the inner one
         return getattr(self.__dict__["inner_transport"], name)
+
+    def capabilities(self) -> Capabilities:
+        """The inner transport's, but its eager channel is this wrapper (whose sends never go
+        eager: they all meet the fault in ``isend``), and no registered memory (plain arrays,
+        as ``comm.empty`` has always handed out under ``MINICOMM_FAULT``). One-sided access is
+        the inner transport's own: RMA is not faulted."""
+        inner = capabilities_of(self.inner_transport)
+        return replace(inner, eager=self if inner.eager is not None else None, registered=None)
 
     def send_now(self, peer: int, buf, tag: Tag) -> bool:
         """The small-message path's direct send (shm): never taken here, so that every message

@@ -9,7 +9,7 @@ the word lives in memory several processes map.
 
 Available on Linux x86-64 and arm64 (the syscall number is per architecture); elsewhere, when the
 C library cannot be loaded, or with ``MINICOMM_FUTEX=0``, ``AVAILABLE`` is False and shm keeps
-its socket doorbell. Every wait has a timeout. Cost: one system call per wake (about 1 µs), none
+its socket doorbell. Every wait has a timeout. Cost: one system call per wake, none
 when the peer is awake (the caller checks the peer's sleeping flag first).
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import List, Optional
 import numpy as np
 
 from minicomm.errors import CommTimeout, MismatchError, PeerFailure
-from .base import ReduceFn, Request, Tag, Transport, check_foreign, check_tag
+from .base import Capabilities, ReduceFn, Request, Tag, Transport, check_foreign, check_tag
 
 
 class Fabric:
@@ -166,6 +166,10 @@ class InprocTransport(Transport):
 
     def abort(self, reason: str) -> None:
         self.fabric.abort(self.rank, PeerFailure(reason))
+
+    def capabilities(self) -> Capabilities:
+        """The two-sided core only: ranks are threads of one process, every message a copy."""
+        return Capabilities()
 
     def close(self) -> None:
         with self.fabric.cond:

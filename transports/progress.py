@@ -53,8 +53,8 @@ CLEAN_CLOSE = "it closed its transport"
 UNEXPECTED_LIMIT = byte_setting("MINICOMM_UNEXPECTED_BYTES", 256 << 20)   # a peer's orderly goodbye, not a crash
 EDGE = select.EPOLLIN | select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
 # Spin SPIN_S, then sleep; or, waiting on a large message, about as long as its bytes take to
-# copy (at SPIN_BYTES_PER_S, a cross-core copy's pace) up to SPIN_MAX_S: a 1 MiB step's peer is
-# busy copying for ~100 us, and sleeping through that costs a futex wake-up (~100 us here) on top
+# copy (at SPIN_BYTES_PER_S, a cross-core copy's pace) up to SPIN_MAX_S, as a peer busy copying
+# answers sooner than a futex wake-up would: docs/decisions/shm-spin-then-sleep.md
 SPIN_S, SPIN_BYTES_PER_S, SPIN_MAX_S = settings.SPIN_S, settings.SPIN_BYTES_PER_S, settings.SPIN_MAX_S
 SPIN_SHARED_S = settings.SPIN_SHARED_S   # the spin when ranks outnumber cores (it yields)
 HOT_SPIN_S = 4e-6                     # poll without yielding first: the peer is usually running
@@ -288,15 +288,13 @@ class Progress:
             except (BlockingIOError, OSError):
                 pass                  # a wake-up is already pending
             for e in self.engines:
-                kick = getattr(e, "kick", None)
-                if kick is not None:
-                    kick()            # a poller asleep on a futex word
+                e.kick()              # a poller asleep on a futex word
             self.cv.notify_all()
 
     def _futex_engine(self):
         """The engine whose futex word the poller sleeps on: only when it is the only engine
         (a tcp or routed peer needs epoll) and it offers one; else None."""
-        if len(self.engines) == 1 and getattr(self.engines[0], "futex_ok", False):
+        if len(self.engines) == 1 and self.engines[0].futex_ok:
             return self.engines[0]
         return None
 
@@ -304,7 +302,7 @@ class Progress:
         with self.lock:
             self.engines.append(engine)
             self.spin = self.spin or spin
-            if getattr(engine, "oversubscribed", False):
+            if engine.oversubscribed:
                 self.hot_spin = 0.0   # a peer may need our core: yield from the first poll
                 self.spin_long = False
                 self.spin_s = SPIN_SHARED_S   # yielding, for about a wake-up's cost
@@ -336,9 +334,7 @@ class Progress:
         """Raise if a message from any peer of any engine proves the call waiting on ``tag``
         cannot complete (``LinkEngine.check_foreign``)."""
         for e in self.engines:
-            check = getattr(e, "check_foreign", None)
-            if check is not None:
-                check(tag)
+            e.check_foreign(tag)
 
     def _pass(self) -> bool:
         moved = False
@@ -348,23 +344,20 @@ class Progress:
         return moved
 
     def wait(self, reqs: List[Req], deadline: float, what: str, any_done: bool = False) -> None:
-        """Progress until every request in ``reqs`` is done (``any_done``: at least one)."""
-        for r in reqs:
-            if not r.done:
-                if any_done:
-                    continue
-                break
-            elif any_done:
-                return
-        else:
-            if not any_done or not reqs:
-                return                            # completed on the spot (eager isend/irecv)
+        """Progress until every request in ``reqs`` is done (``any_done``: at least one).
+
+        Each round is one pass over every engine under the lock; then, while nothing moves,
+        spin (hot, then yielding with ``os.sched_yield``), then block: wait for the thread that
+        polls (``_wait_for_poller``), or become the poller (``_ready_to_block``, ``_block``).
+        Raises what a pending request's engine reports (``check``), CommTimeout at
+        ``deadline``, CommError once the transport is closed."""
+        if _first_pending(reqs, any_done) is None:
+            return                                # completed on the spot (eager isend/irecv)
         lock = self.lock
         started = time.monotonic()
-        # Poll without yielding for a few microseconds (the peer usually runs on another core
-        # and answers within that; a yield would hand our core to whatever else is runnable),
-        # then poll with os.sched_yield between passes (a peer that shares our core, with more
-        # ranks than cores or other load on the machine, gets it), then block.
+        # Poll without yielding first (the peer usually runs on another core and answers at
+        # once), then with os.sched_yield between passes (a peer sharing our core gets it), then
+        # block: docs/decisions/shm-spin-then-sleep.md
         hot_until = spin_until = started
         hot, spin = self.hot_spin, self.spin_s
         longer = self.spin and self.spin_long   # priced once, when the short spin runs out
@@ -377,111 +370,150 @@ class Progress:
                 moved = self._pass()
                 if moved and self._waiters:
                     self.cv.notify_all()          # another thread's requests may be done
-                pending = None
-                for r in reqs:
-                    if not r.done:
-                        if pending is None:
-                            pending = r
-                            if not any_done:
-                                break
-                    elif any_done:
-                        return
+                pending = _first_pending(reqs, any_done)
                 if pending is None:
                     return
-                for r in reqs:
-                    if not r.done:
-                        r.engine.check(r, what)   # raises PeerFailure / MismatchError
-                now = time.monotonic()
-                left = deadline - now
-                if left <= 0:
-                    raise _timeout(pending, reqs, what, now - started)
-                if self._closed:
-                    raise CommError(f"{what}: transport is closed")
+                now = self._check_pending(reqs, pending, deadline, what, started)
                 if moved:
                     if self.spin:
                         hot_until, spin_until = now + hot, now + spin
                     continue
                 if now >= spin_until and longer:
-                    longer = False            # a large message: spin about its copy time
-                    # default: another thread (a NIC agent) may complete the last one meanwhile
-                    want = max((r.nbytes for r in reqs if not r.done),
-                               default=0) / SPIN_BYTES_PER_S
-                    if want > spin:
-                        spin = want if want < SPIN_MAX_S else SPIN_MAX_S
-                        spin_until += spin - SPIN_S
+                    longer = False                # a large message: spin about its copy time
+                    spin, spin_until = _spin_for_copy(reqs, spin, spin_until)
+                sleep_on = None
                 if now >= spin_until:
                     # about to block: a message from any peer may prove the call cannot complete
                     self._check_foreign(pending.tag)
-                if now < spin_until:
-                    block = False
-                elif self._polling:
-                    self._waiters += 1
-                    try:
-                        self.cv.wait(left)        # the poller notifies after every wake-up
-                    finally:
-                        self._waiters -= 1
-                    continue
-                else:
-                    fx = self._futex_engine()
-                    if fx is not None:
-                        fx.sleep(2)               # asleep on the futex word (shm.py)
-                        fence()
-                        fx_value = fx.futex_value()
-                    else:
-                        for e in self.engines:
-                            e.sleep(True)
-                        fence()
-                    try:
-                        # what arrived before our flag was visible: a message for a request, or
-                        # one from any peer that proves the call cannot complete (an abort
-                        # notice lands in a ring nobody waits on, and rings no doorbell while
-                        # our flag is down: found here or woken for)
-                        moved = self._pass()
-                        if not moved:
-                            self._check_foreign(pending.tag)
-                    except BaseException:
-                        for e in self.engines:
-                            e.sleep(False)
-                        raise
-                    if moved:
-                        for e in self.engines:
-                            e.sleep(False)
-                        if self._waiters:
-                            self.cv.notify_all()
+                    if self._polling:
+                        self._wait_for_poller(deadline - now)
                         continue
-                    self._polling = True
-                    block = True
+                    sleep_on = self._ready_to_block(pending)
+                    if sleep_on is None:
+                        continue                  # the last pass moved something
             finally:
                 lock.release()
-            if not block:
+            if sleep_on is None:
                 if now >= hot_until:
                     os.sched_yield()
                 continue
-            events = ()
-            try:
-                if fx is not None:
-                    fx.futex_block(fx_value, min(left, FUTEX_SLICE_S))
-                    events = self.ep.poll(0)      # doorbell sockets: a peer's EOF or abort
-                else:
-                    events = self.ep.poll(left)
-            except (OSError, ValueError):         # closed by another thread: next pass raises
-                pass
-            finally:
-                with lock:
-                    self._polling = False
-                    for e in self.engines:
-                        e.sleep(False)
-                    for fd, ev in events:
-                        h = self._handlers.get(fd)
-                        if h is not None:
-                            h(ev)
-                    if self._waiters:
-                        self.cv.notify_all()
+            self._block(sleep_on, deadline - now)
             # after a wake-up, spin again: the next message often follows closely
             if self.spin:
                 now = time.monotonic()
                 hot_until, spin_until = now + hot, now + spin
 
+    def _check_pending(self, reqs: List[Req], pending: Req, deadline: float, what: str,
+                       started: float) -> float:
+        """Under the lock: raise what ends a wait before its requests are done (a request that
+        can never complete, the deadline, a closed transport); else return the time now."""
+        for r in reqs:
+            if not r.done:
+                r.engine.check(r, what)   # raises PeerFailure / MismatchError
+        now = time.monotonic()
+        if deadline - now <= 0:
+            raise _timeout(pending, reqs, what, now - started)
+        if self._closed:
+            raise CommError(f"{what}: transport is closed")
+        return now
+
+    def _wait_for_poller(self, left: float) -> None:
+        """Under the lock, while another thread polls: wait for its next wake-up (it notifies
+        after every one) or a productive pass of another thread."""
+        self._waiters += 1
+        try:
+            self.cv.wait(left)
+        finally:
+            self._waiters -= 1
+
+    def _ready_to_block(self, pending: Req):
+        """Under the lock, nothing moving: raise the engines' sleep flags (shm's peers read them
+        before deciding to ring a doorbell), fence, and make one last pass. Returns what to
+        block on, (the futex engine or None for epoll, the futex word's value), this thread now
+        the poller; or None when that pass moved something (the flags are down again)."""
+        fx = self._futex_engine()
+        fx_value = None
+        if fx is not None:
+            fx.sleep(2)               # asleep on the futex word (shm/doorbell.py)
+            fence()
+            fx_value = fx.futex_value()
+        else:
+            for e in self.engines:
+                e.sleep(True)
+            fence()
+        try:
+            # what arrived before our flag was visible: a message for a request, or one from
+            # any peer that proves the call cannot complete (an abort notice lands in a ring
+            # nobody waits on, and rings no doorbell while our flag is down: found here or
+            # woken for)
+            moved = self._pass()
+            if not moved:
+                self._check_foreign(pending.tag)
+        except BaseException:
+            for e in self.engines:
+                e.sleep(False)
+            raise
+        if moved:
+            for e in self.engines:
+                e.sleep(False)
+            if self._waiters:
+                self.cv.notify_all()
+            return None
+        self._polling = True
+        return fx, fx_value
+
+    def _block(self, sleep_on, left: float) -> None:
+        """The poller, outside the lock: block on the futex word for a slice, then read the
+        doorbell sockets, or block in ``epoll_wait`` for up to ``left``; then, under the lock,
+        stop polling, lower the sleep flags, run the handlers of the reported descriptors and
+        wake the threads waiting for the poller."""
+        fx, fx_value = sleep_on
+        events = ()
+        try:
+            if fx is not None:
+                fx.futex_block(fx_value, min(left, FUTEX_SLICE_S))
+                events = self.ep.poll(0)      # doorbell sockets: a peer's EOF or abort
+            else:
+                events = self.ep.poll(left)
+        except (OSError, ValueError):         # closed by another thread: next pass raises
+            pass
+        finally:
+            with self.lock:
+                self._polling = False
+                for e in self.engines:
+                    e.sleep(False)
+                for fd, ev in events:
+                    h = self._handlers.get(fd)
+                    if h is not None:
+                        h(ev)
+                if self._waiters:
+                    self.cv.notify_all()
+
+
+def _first_pending(reqs: List[Req], any_done: bool) -> Optional[Req]:
+    """The request a wait still waits on (the first not done), or None when the wait is over:
+    every request is done, or with ``any_done`` one of them is (or there are none)."""
+    pending = None
+    for r in reqs:
+        if not r.done:
+            if pending is None:
+                pending = r
+                if not any_done:
+                    return r
+        elif any_done:
+            return None
+    return pending
+
+
+def _spin_for_copy(reqs: List[Req], spin: float, spin_until: float):
+    """A wait on a large message spins about as long as its bytes take to copy, at most
+    SPIN_MAX_S: (spin, spin_until), grown if that is longer than ``spin``."""
+    # default: another thread (a NIC agent) may complete the last one meanwhile
+    want = max((r.nbytes for r in reqs if not r.done), default=0) / SPIN_BYTES_PER_S
+    if want > spin:
+        spin = want if want < SPIN_MAX_S else SPIN_MAX_S
+        spin_until += spin - SPIN_S
+    return spin, spin_until
 
 def _timeout(pending: Req, reqs: List[Req], what: str, waited: float) -> CommTimeout:
     n = sum(1 for r in reqs if not r.done)
@@ -517,6 +549,11 @@ class LinkEngine(Transport):
     rank: int
     peer_ranks: List[int]
     _aborted: Optional[str]
+    futex_ok = False          # the poller may sleep on this engine's futex word (shm sets it)
+    oversubscribed = False    # this node's ranks outnumber its cores: the poller yields at once
+
+    def kick(self) -> None:
+        """Wake this engine's own futex sleeper (an engine without one has nothing to wake)."""
 
     def _link(self, peer: int):
         raise NotImplementedError

@@ -37,7 +37,8 @@ WRITE_WITH_IMM) on QP ``LANDING_QP`` of every peer pair.
 Link parameters (``LINK``, illustrative, used by the simulator and by MINICOMM_EMULATE_LINK=1):
 a RoCEv2 READ of ~2 us and 100 Gbit/s. Kalia, Kaminsky, Andersen, "Design Guidelines for High
 Performance RDMA Systems" (USENIX ATC 2016) and the NIC vendors' perftest (ib_read_lat) report
-RDMA READ latencies of about 1.5-2.5 us on ConnectX-class NICs; they are not measured here.
+RDMA READ latencies of about 1.5-2.5 us on ConnectX-class NICs (published figures, not this
+project's).
 
 Cost (alpha-beta): a same-node WRITE of n bytes is one memcpy (n / memory bandwidth); a
 cross-node one is a request frame plus n bytes over a loopback or real TCP socket, completed by
@@ -53,6 +54,7 @@ import numpy as np
 
 from minicomm.errors import CommError, RMAError
 from . import nic as _nic
+from .base import Capabilities
 from .landing import CREDIT, DATA, LANDING_QP, RECORDS, LandingEngine, _Link
 from .nic import LinkParams
 
@@ -394,6 +396,11 @@ class RdmaTransport(LandingEngine):
                 if link is not None and link.closed is None:
                     self._link_failed(link, f"its rdma write failed: {wc.status} ({wc.detail})")
         return bool(wcs)
+
+    def capabilities(self) -> Capabilities:
+        """One-sided access (windows) is its own; no eager channel, no registered memory."""
+        return Capabilities(one_sided=self, describe=self.describe,
+                            device_job_id=self.device.job_id)
 
     # ----------------------------------------------------------- one-sided RMA for windows
     def rma_expose(self, nbytes: int, name: str):

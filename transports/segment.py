@@ -23,7 +23,7 @@ WRITE_WITH_IMM / SEND" records, the owner consumes them. ``head`` (producer) and
 after the record (x86-64 TSO orders the stores; weakly ordered CPUs would need fences pure Python
 cannot issue, the same limitation as the shm transport).
 
-Cost: an access is a memcpy; an atomic is a mutex round trip (~1 us through ctypes); an event is a
+Cost: an access is a memcpy; an atomic is a mutex round trip (through ctypes); an event is a
 record store plus, if the consumer sleeps, one doorbell write on a socket.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ This is MPI_Win_allocate_shared's mechanism (what MPICH does for ranks of one no
 way one process can reach another's memory; the rdma and ub transports simulate NICs instead.
 
 Cost: put / get of n bytes: one copy (n / memory bandwidth); an atomic: a mutex round trip
-(~1 us through ctypes) plus the operation.
+(through ctypes) plus the operation.
 """
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ from typing import Dict, Optional
 import numpy as np
 
 from minicomm.rendezvous import accept_peers, dial_peer
-from .base import ReduceFn, Request, Tag
+from .base import Capabilities, ReduceFn, Request, Tag
 from .progress import CLEAN_CLOSE, Inbox, LinkEngine, Progress, Req, deliver
 
 _FRAME = struct.Struct("<6q")
@@ -313,6 +313,10 @@ class TcpTransport(LinkEngine):
 
     def sleep(self, flag: bool) -> None:
         """Nothing to announce: the kernel wakes a sleeping receiver on tcp."""
+
+    def capabilities(self) -> Capabilities:
+        """The two-sided core only (a tcp peer cannot be reached one-sided); its routes."""
+        return Capabilities(describe=self.describe)
 
     def _on_event(self, c: _Conn, ev: int) -> None:
         if ev & _READ_EV:

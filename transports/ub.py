@@ -44,9 +44,9 @@ urma_types.h: urma_jfs_wr_flag_t, urma_cr_status_t); there is no UB wire protoco
 hardware ordering engine here.
 
 Link parameters (``LINK``, illustrative, used by the simulator and MINICOMM_EMULATE_LINK=1): a UB
-memory-semantic load of ~0.5 us (the figure issue 11 gives; the same order as published CXL.mem
-load latencies of a few hundred ns; not measured on UB hardware) against rdma.LINK's ~2 us RoCE
-READ, and 50 GB/s (a round illustrative number).
+memory-semantic load of ~0.5 us (an assumed figure, the same order as published CXL.mem load
+latencies of a few hundred ns; no UB hardware was timed) against rdma.LINK's ~2 us RoCE READ,
+and 50 GB/s (a round illustrative number).
 
 Cost (alpha-beta): same node, a load / store of n bytes is one memcpy; an atomic one mutex round
 trip; other nodes, one request/answer round trip plus n bytes over the socket.
@@ -66,6 +66,7 @@ import numpy as np
 
 from minicomm.errors import CommError, RMAError
 from . import nic as _nic
+from .base import Capabilities
 from .landing import CREDIT, DATA, RECORDS, RING, LandingEngine, _Link
 from .nic import LinkParams
 
@@ -93,8 +94,8 @@ _STATUS = {_nic.OK: CR_SUCCESS, _nic.BAD_KEY: CR_REM_ACCESS_ABORT_ERR,
            _nic.PEER_DEAD: CR_ACK_TIMEOUT_ERR, _nic.FLUSHED: CR_WR_FLUSH_ERR,
            _nic.OVERRUN: CR_REM_OPERATION_ERR}
 
-LINK = LinkParams(0.5e-6, 50e9, "UB memory-semantic load ~0.5 us (issue 11's illustrative figure; "
-                  "the order of published CXL.mem load latencies; not measured on UB), 50 GB/s")
+LINK = LinkParams(0.5e-6, 50e9, "UB memory-semantic load ~0.5 us (an assumed figure: the order "
+                  "of published CXL.mem load latencies; no UB hardware timed), 50 GB/s")
 _INFO = struct.Struct("<QQqqqq")
 
 
@@ -603,6 +604,11 @@ class UbTransport(LandingEngine):
                 if link is not None and link.closed is None:
                     self._link_failed(link, f"its ub write failed: {cr.status} ({cr.detail})")
         return bool(crs)
+
+    def capabilities(self) -> Capabilities:
+        """One-sided access (windows) is its own; no eager channel, no registered memory."""
+        return Capabilities(one_sided=self, describe=self.describe,
+                            device_job_id=self.device.job_id)
 
     # ----------------------------------------------------------- one-sided RMA for windows
     def rma_expose(self, nbytes: int, name: str):

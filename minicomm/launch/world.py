@@ -97,21 +97,7 @@ def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
         except BaseException:
             _close_server(server, deadline)
             raise
-    try:
-        members = store.wait_world(_left(deadline))
-    except CommTimeout as e:
-        store.close()
-        _close_server(server, deadline)
-        msg = (f"rank {rank}: {len(e.arrived)} of {size} ranks arrived within {setup_timeout:g}s "
-               f"(the setup timeout, MINICOMM_SETUP_TIMEOUT); missing ranks "
-               f"{rank_ranges(e.missing)}. Did every rank start, with the same world size?")
-        err = CommTimeout(msg)
-        err.arrived, err.missing = e.arrived, e.missing
-        raise err from None
-    except BaseException:
-        store.close()
-        _close_server(server, deadline)
-        raise
+    members = _wait_world(store, server, rank, size, setup_timeout, deadline)
     topology = cfg.get("topology")
     if topology is None:
         names = [str(members[r].get("node")) for r in range(size)]
@@ -133,8 +119,40 @@ def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
     comm = Communicator(t, rank, size, topology=topology, timeout=timeout,
                         link_model=LinkModel.for_transports(intra, inter, spin=SPIN_S))
     comm._store, comm._store_server = store, server
+    _agree_links(comm, t, intra, inter)
+    if comm.debug_info and comm.caps.describe is not None:
+        comm._log(f"transports: {comm.caps.describe()}")
+    return comm
+
+
+def _wait_world(store: Any, server: Optional[StoreServer], rank: int, size: int,
+                setup_timeout: float, deadline: float) -> Dict[int, dict]:
+    """Every rank's join record, once all ``size`` ranks have joined within the setup deadline.
+    On a failure the store is closed (and the one this rank serves); a timeout names the
+    missing ranks."""
     try:
-        # rank 0's measured (or cached) links and tuned table, so auto agrees on every rank
+        return store.wait_world(_left(deadline))
+    except CommTimeout as e:
+        store.close()
+        _close_server(server, deadline)
+        msg = (f"rank {rank}: {len(e.arrived)} of {size} ranks arrived within {setup_timeout:g}s "
+               f"(the setup timeout, MINICOMM_SETUP_TIMEOUT); missing ranks "
+               f"{rank_ranges(e.missing)}. Did every rank start, with the same world size?")
+        err = CommTimeout(msg)
+        err.arrived, err.missing = e.arrived, e.missing
+        raise err from None
+    except BaseException:
+        store.close()
+        _close_server(server, deadline)
+        raise
+
+
+def _agree_links(comm: Communicator, t: Any, intra: str, inter: str) -> None:
+    """Give the new world its agreed link model (the installed hook; none: the defaults). A
+    rank that fails here aborts its transport and closes the communicator before raising."""
+    try:
+        # rank 0's links (probed or cached) and tuned table, so auto agrees on every rank:
+        # docs/decisions/link-tuning-probes.md
         if _link_agreement is not None:
             comm.link_model = _link_agreement(comm, intra, inter)
     except BaseException as e:
@@ -145,9 +163,6 @@ def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
         finally:
             comm.close()
         raise
-    if comm.debug_info and hasattr(t, "describe"):
-        comm._log(f"transports: {t.describe()}")
-    return comm
 
 
 def _peer_bind(store_addr: str, store: Any) -> str:

@@ -75,10 +75,7 @@ def transport_worlds(comm, kinds: List[str]):
 
 
 def _job_id(comm) -> str:
-    job = getattr(comm.transport, "job_id", None) or os.environ.get("MINICOMM_JOB_ID")
-    if job is None:
-        dev = getattr(comm.transport, "device", None)
-        job = dev.job_id if dev is not None else None
+    job = comm.caps.job_id or os.environ.get("MINICOMM_JOB_ID") or comm.caps.device_job_id
     if job is None:
         raise BenchError("cannot tell this job's id (run under mc.spawn, minicomm run or "
                          "mpiexec through minicomm bench)")
@@ -264,7 +261,7 @@ def _expected(op: str, size: int, calls: int) -> np.ndarray:
 
 
 def _time_rma(comm, runners, op: str, size: int, mode: str, cfg: BenchConfig) -> List[dict]:
-    """Interleaved batches of one (op, size, mode) over every runner; rows on rank 0."""
+    """Batches of one (op, size, mode), every runner in turn; rows on rank 0."""
     window = BW_WINDOW if mode == "bw" else 1
     origin = comm.rank == 0
     nr = len(runners)
@@ -435,7 +432,7 @@ def _header(op: str, comm, cfg: BenchConfig, runners) -> str:
     lines = [f"# minicomm bench {op}: origin rank 0, target rank 1 of {comm.size}, {cfg.nodes} "
              f"node(s); shared lock per batch, flush per call"
              + (f" (bandwidth rows: {BW_WINDOW} calls per flush)" if op in ("put", "get") else ""),
-             f"#   {cfg.batches} interleaved batches of ~{cfg.batch_time * 1e3:.0f} ms; median"]
+             f"#   {cfg.batches} batches of ~{cfg.batch_time * 1e3:.0f} ms, runners in turn; median"]
     for r in runners:
         if hasattr(r, "version"):
             lines.append(f"#   {r.label}: {r.version}")

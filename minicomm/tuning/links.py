@@ -3,7 +3,8 @@
 ``agree_link_model`` (the launcher's world bootstrap calls it, through the hook
 ``minicomm.launch.world.set_link_agreement``, on every new world communicator) gives every rank
 rank 0's cached or freshly probed ``LinkModel`` and tuned-table entries (package docstring). The
-probes run collectives on the world's own transport; they start no process.
+probes run collectives on the world's own transport; they start no process. Why probes fitted
+through the simulator, cached per host and agreed: docs/decisions/link-tuning-probes.md.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def _probe_model(kind: str, o: float, lat: float, beta: float, gamma: float,
 def probe_link(pair, kind: str, gamma: float, delta: float, contention: float) -> Dict[str, float]:
     """α, β and o of the link between the two ranks of ``pair`` (a 2-rank communicator; both
     call; rank 0's values count). Each probe is the fastest of ``PROBE_REPS`` calls; every value
-    is fitted so that the simulator, run on the very schedules probed, predicts what was measured.
+    is fitted so that the simulator, run on the very schedules probed, predicts the probe times.
 
     Three 8-byte calls: rhd allgather (one exchange step), ring allreduce (two exchange steps),
     tree allreduce (two one-way hops): their differences cancel the per-call cost and give o and
@@ -233,7 +234,7 @@ _AGREED = ("alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma", "d
 
 def agree_link_model(comm, intra: str, inter: str) -> LinkModel:
     """Every rank of a new world communicator calls this (collective). Rank 0's cached or freshly
-    measured link parameters, and its tuned-table entries for these transports, become every
+    probed link parameters, and its tuned-table entries for these transports, become every
     rank's ``LinkModel`` (module doc). Uses only explicit-algorithm collectives, so it does not
     depend on the model it is building."""
     rank, size, topo = comm.rank, comm.size, comm.topology
@@ -254,11 +255,10 @@ def agree_link_model(comm, intra: str, inter: str) -> LinkModel:
         # one job share a user and a ptrace policy, so rank 0's view stands for every pair
         # from the size the pairs' setup probes chose (shm: cma.choose_min, the largest of
         # rank 0's pairs), else the transport kind's default
-        reach = getattr(comm.transport, "single_copy_peers", None)
-        peers = set(reach()) if reach is not None else set()
+        single = comm.caps.single_copy
+        peers = set(single.single_copy_peers()) if single is not None else set()
         local = [comm.group[r] for r in range(1, size) if topo[r] == topo[0]]
-        chosen = getattr(comm.transport, "single_copy_from", None)
-        payload["single_copy"] = ((chosen() if chosen is not None else 0)
+        payload["single_copy"] = ((single.single_copy_from() if single is not None else 0)
                                   or SINGLE_COPY_MIN.get(intra, 0)) if all(
             r in peers for r in local) else 0
         payload["cores"] = int(cores or 0)
@@ -320,7 +320,7 @@ def _measure_links(comm, near: Optional[int], far: Optional[int], intra: str,
         host = pair.broadcast_object(socket.gethostname(), root=1)
         local = host == socket.gethostname()
         name = kind if local else f"{kind}>{host}"
-        # host-wide values are measured by a pair on this host, the link by its own pair
+        # host-wide values are probed by a pair on this host, the link by its own pair
         todo = [local and "contention" not in cache, cache["links"].get(name) is None,
                 local and "wake" not in cache] if rank == 0 else [0, 0, 0]
         todo = pair.broadcast(np.array(todo, dtype=np.int64), root=0, algorithm="tree")

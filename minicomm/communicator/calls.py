@@ -1,0 +1,233 @@
+"""Call signatures bound to plans: everything a call's arguments determine, computed once.
+
+A call's signature is (collective, op, algorithm, dtype, count, root). ``_prepare`` turns it
+into a ``Call``: the family chosen (per-call ``algorithm=``, else ``MINICOMM_ALGO``, else the
+α-β model), the packed signature every message carries, the executor's ``Plan`` and, where the
+transport has an eager channel and every message fits it, the plan compiled for the
+small-message path (minicomm.smallpath) as straight-line code. ``_run_call`` runs a bound call:
+the sequence number, the fingerprint check where one is due, in-place aliasing, then the
+compiled plan or the executor. Calls, plans and scratch are kept in ``BoundedCache``s.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .. import ops as _ops
+from ..algorithms import FAMILIES, build_schedule
+from ..cost import LinkModel, choose
+from ..errors import CommError, pack_call
+from ..executor import Plan, run_plan
+from ..schedule import ROOTED
+from ..settings import env_flag
+from ..smallpath import SMALL_SPIN_S, compile_small, eligible, straight_line
+from ..transports.base import Tag
+from .buffers import LAYOUT, NONE, RESULT_AT_ROOT, STACKED, InPlace
+from .cache import BoundedCache
+
+# MINICOMM_SMALL_PATH=0: every call runs through the executor (the small path's off switch,
+# docs/decisions/small-message-path.md)
+SMALL_OFF = not env_flag("MINICOMM_SMALL_PATH", True)
+HOT_TMP_BYTES = 64 << 10        # a hot call keeps its own scratch up to this size
+CACHE_ENTRIES = 1024            # signatures (calls, plans, fingerprints) a communicator keeps
+new_tag = tuple.__new__         # Tag(...) without the namedtuple's Python-level __new__
+
+
+class Call:
+    """What ``_prepare`` derives from a call's signature (module doc). ``run``: the compiled
+    small plan as straight-line code (None: the executor runs it); ``run_guarded``: the same
+    with a rooted call's fingerprint exchange. ``hot``: an unrooted small call the fast path
+    may run with its own scratch ``tmp``, ``alias0`` saying whether its input may alias its
+    output. ``no_result``, ``out_count``, ``separate``, ``avg``: what the fast path needs of
+    the collective on this rank (None returned, the scratch output's size then, whether in and
+    out may share memory, the avg division)."""
+    __slots__ = ("coll", "algo", "call", "plan", "kernel", "rooted", "label", "requested",
+                 "small", "run", "run_guarded", "hot", "tmp", "alias0", "count", "no_result",
+                 "out_count", "separate", "avg")
+
+    def __init__(self, coll, algo, call, plan, kernel, label, requested, count):
+        self.coll, self.algo, self.call, self.plan, self.kernel = coll, algo, call, plan, kernel
+        self.rooted, self.label, self.requested = coll in ROOTED, label, requested
+        self.count = count
+        self.small = self.run = self.run_guarded = self.tmp = None
+        self.hot = self.alias0 = False
+
+
+class SmallIO:
+    """What the compiled small plans call when the eager channel is not the transport itself:
+    its methods and the transport's two-sided ones, bound once (no extra call per message)."""
+    __slots__ = ("send_now", "recv_now", "sendrecv_now", "recv_now_many", "isend", "irecv",
+                 "wait_all")
+
+    def __init__(self, transport, eager):
+        self.send_now, self.recv_now = eager.send_now, eager.recv_now
+        self.sendrecv_now, self.recv_now_many = eager.sendrecv_now, eager.recv_now_many
+        self.isend, self.irecv, self.wait_all = transport.isend, transport.irecv, transport.wait_all
+
+
+class CallPlans:
+    """Binding signatures to plans and running them (module doc)."""
+
+    def _init_calls(self, link_model) -> None:
+        eager = self.caps.eager
+        self._small_io = eager if eager is None or eager is self.transport \
+            else SmallIO(self.transport, eager)
+        self._calls = BoundedCache(CACHE_ENTRIES)       # signature -> Call
+        self._plans = BoundedCache(CACHE_ENTRIES)       # (coll, algo, count, root) -> Plan
+        self._scratch = BoundedCache(64)                # dtype -> tmp buffer
+        # False: every call runs through the executor (what the link probe times against the
+        # small-message path; MINICOMM_SMALL_PATH=0 does it for the whole process)
+        self.small_path = True
+        self.link_model = link_model or LinkModel.for_transports("shm", "tcp")
+
+    @property
+    def link_model(self) -> LinkModel:
+        """Returns the α-β link model ``algorithm="auto"`` chooses by; setting it drops every
+        choice made under the old one. Raises nothing. ``>>> model = comm.link_model``"""
+        return self._link_model
+
+    @link_model.setter
+    def link_model(self, model: LinkModel) -> None:
+        """Use ``model`` from now on. Returns None; Raises nothing. ``>>> comm.link_model = m``"""
+        self._link_model = model
+        self._forget_calls()          # cached algorithm choices followed the old model
+
+    def _forget_calls(self) -> None:
+        """Drop every call derived from a signature (``_prepare``'s, and the scatter header
+        plans that hold them): the next call of each chooses and compiles again."""
+        self._calls.clear()
+        self._scatter_headers.clear()
+
+    def _resolve_algorithm(self, coll: str, algorithm, nbytes: int) -> str:
+        if algorithm is None or algorithm == "auto":
+            fam = self._algo_env.get(coll)
+            if fam is None:
+                return choose(coll, self.size, nbytes, self.topology, self.link_model)
+            algorithm = fam
+        if algorithm not in FAMILIES:
+            raise ValueError(f"unknown algorithm {algorithm!r}; choose one of "
+                             f"{', '.join(FAMILIES)} or 'auto'")
+        return algorithm
+
+    def _plan(self, coll: str, algo: str, count: int, root: int) -> Plan:
+        key = (coll, algo, count, root)
+        plan = self._plans.get(key)
+        if plan is None:
+            topo = self.topology if algo == "hier" else None
+            sched = build_schedule(coll, algo, self.rank, self.size, count, root, topo)
+            plan = self._plans.put(key, Plan(sched, self.group))
+        return plan
+
+    def _small(self, plan: Plan, dtype: np.dtype):
+        """The plan compiled for the small-message path (minicomm.smallpath) if the transport
+        has an eager channel and every message of the call fits it, else None."""
+        eager = self.caps.eager
+        if eager is None or SMALL_OFF or \
+                not eligible(plan.schedule, dtype.itemsize, eager.small_bytes):
+            return None
+        return compile_small(plan.schedule, self.group)
+
+    def _tmp(self, dtype: np.dtype, count: int) -> np.ndarray:
+        buf = self._scratch.get(dtype)
+        if buf is None or buf.size < count:
+            buf = self._scratch.put(dtype, np.empty(max(count, 1), dtype=dtype))
+        return buf[:count]
+
+    def _prepare(self, coll: str, op: str, algorithm, dtype: np.dtype, count: int,
+                 root: int) -> Call:
+        """The ``Call`` of a signature, bound on its first call (module doc): calls repeat, and
+        choosing, packing and plan lookup cost more than a small message."""
+        key = (coll, op, algorithm, dtype, count, root)
+        c = self._calls.get(key)
+        if c is None:
+            c = self._calls.put(key, self._bind_call(coll, op, algorithm, dtype, count, root))
+        return c
+
+    def _bind_call(self, coll: str, op: str, algorithm, dtype: np.dtype, count: int,
+                   root: int) -> Call:
+        algo = self._resolve_algorithm(coll, algorithm, count * dtype.itemsize)
+        plan = self._plan(coll, algo, count, root)
+        rooted = coll in ROOTED
+        # the label is what wait_all names in errors (they add the step and the call's number)
+        c = Call(coll, algo, pack_call(coll, op, algo, dtype, root if rooted else -1), plan,
+                 _ops.get_kernel(op) if op != "none" else None, f"{coll} ({algo})",
+                 algorithm not in (None, "auto"), count)
+        c.small = self._small(plan, dtype)
+        if c.small is not None:
+            c.run = straight_line(c.small, True)          # an eager channel has sendrecv_now
+            if rooted:
+                c.run_guarded = straight_line(c.small, True, guarded=True)
+        c.hot = (c.run is not None and not rooted and self.size > 1 and self.check != "full"
+                 and not self.debug_info and plan.tmp_count * dtype.itemsize <= HOT_TMP_BYTES)
+        if c.hot:
+            c.tmp, c.alias0 = np.empty(plan.tmp_count, dtype=dtype), plan.alias_safe(0)
+        # no result here: barrier, and reduce and gather off the root (they get None and
+        # write a scratch output of out_count elements)
+        c.no_result = LAYOUT[coll] == NONE or (coll in RESULT_AT_ROOT and self.rank != root)
+        c.out_count = 0 if LAYOUT[coll] == NONE else count * self.size \
+            if LAYOUT[coll] == STACKED else count
+        c.separate = coll != "broadcast" or self.rank == root   # a non-root never reads its x
+        c.avg = op == _ops.AVG and not c.no_result     # the division, where there is a result
+        return c
+
+    def _execute(self, coll: str, inb: np.ndarray, outb: np.ndarray, count: int, op: str,
+                 root: int, algorithm, shape, fingerprint: bool = True) -> None:
+        """Run the call of this signature on flat buffers (the general path's last step)."""
+        dtype = outb.dtype if outb is not None else inb.dtype
+        c = self._calls.get((coll, op, algorithm, dtype, count, root)) \
+            or self._prepare(coll, op, algorithm, dtype, count, root)
+        self._run_call(c, inb, outb, count, shape, fingerprint)
+
+    def _run_call(self, c: Call, inb: np.ndarray, outb: np.ndarray, count: int, shape,
+                  fingerprint: bool = True) -> None:
+        try:
+            self._run_call_unchecked(c, inb, outb, count, shape, fingerprint)
+        except CommError as e:
+            self._fail(e)
+
+    def _run_call_unchecked(self, c: Call, inb: np.ndarray, outb: np.ndarray, count: int,
+                            shape, fingerprint: bool) -> None:
+        # Headers catch a disagreement whenever the disagreeing ranks exchange a message. Ranks
+        # that disagree on the *root* may never do so (each "root" only sends): rooted calls
+        # therefore always exchange fingerprints first; check="full" does it for every call.
+        guard = small_guard = None
+        if fingerprint and self.size > 1 and (c.rooted or self.check == "full"):
+            if self.check == "full":
+                self._fingerprint_check(c.call, count, shape)
+            elif c.small is not None and self.small_path:
+                small_guard = self._small_guard(c.call, count, shape)
+            else:
+                guard = self._post_fingerprints(c.call, count, shape, c.plan)
+        self._seq += 1
+        seq = self._seq
+        if self.debug_info:
+            self._log(f"{c.coll} #{seq} count={count} dtype={outb.dtype} -> {c.algo} "
+                      f"({'requested' if c.requested else 'auto'})")
+        plan = c.plan
+        if inb is outb:
+            if not plan.alias_safe(0):
+                inb = inb.copy()
+        elif inb.__class__ is InPlace:
+            inb = inb.view(np.ndarray) if plan.alias_safe(inb.shift) else np.array(inb)
+        n = plan.tmp_count
+        tmp = self._scratch.get(outb.dtype)
+        if tmp is None or tmp.size < n:
+            tmp = self._tmp(outb.dtype, n)
+        bufs = (inb, outb, tmp[:n])
+        if c.run is not None and guard is None and self.small_path:
+            # latency-bound: the compiled plan, unrolled; a rooted call's fingerprints travel
+            # with it (small_guard)
+            if small_guard is None:
+                c.run(bufs, self._small_io, c.kernel, self._ctx, seq, c.call, count,
+                      time.monotonic() + self.timeout, c.label, SMALL_SPIN_S)
+            else:
+                c.run_guarded(bufs, self._small_io, c.kernel, self._ctx, seq, c.call, count,
+                              time.monotonic() + self.timeout, c.label, SMALL_SPIN_S,
+                              small_guard)
+        else:
+            # a guarded (rooted, lazily fingerprinted) call checks fingerprints while it waits
+            run_plan(plan, self.transport, bufs, c.kernel,
+                     new_tag(Tag, (self._ctx, seq, 0, c.call, count)),
+                     time.monotonic() + self.timeout, c.label, guard,
+                     oversubscribed=self.caps.oversubscribed)

@@ -1,0 +1,286 @@
+"""The collectives: each public method validates, binds and runs (or submits) its call.
+
+One fast path serves every collective (``_fast``): a synchronous call whose signature ran
+before (so its op, dtype, root and shapes were validated then), with nothing queued, on a
+C-contiguous array whose layout is the collective's (``buffers.LAYOUT``) goes straight to its
+bound ``Call``; an unrooted small one (``Call.hot``) runs its compiled plan right there. Anything
+else goes the general path (``_general``): the guard, ``_bind`` (the argument checks, TypeError /
+ValueError before any message, and the flat buffers), then run now or submit to the worker.
+The fast path keeps the general path's semantics: in-place aliasing, program order behind
+queued work, broken and closed communicators, avg's division, rooted calls' non-root outputs.
+
+Arguments every collective shares: ``x`` a numeric or bool array (every rank the same dtype);
+``algorithm`` "auto" or a family (ring tree rhd hier); ``out`` the result array (checked
+against the result's shape and dtype; it may be ``x`` itself: in place); ``async_op`` return a
+``Work`` at once. Errors: TypeError / ValueError before any message moves; on failure a
+``CommError`` subclass (``MismatchError``, ``CommTimeout``, ``PeerFailure``), after which the
+communicator is broken.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .. import ops as _ops
+from ..errors import CommError
+from ..schedule import ROOTED
+from ..smallpath import SMALL_SPIN_S
+from .buffers import (
+    BLOCKS,
+    EMPTY,
+    LAYOUT,
+    MISS,
+    NONE,
+    REDUCING,
+    RESULT_AT_ROOT,
+    SAME,
+    SCATTER_HEADER,
+    STACKED,
+    InPlace,
+)
+from .lifecycle import get_ident
+
+_monotonic = time.monotonic
+
+
+class Collectives:
+    """The nine collectives (module doc): allreduce, reduce, broadcast, allgather, gather,
+    reduce_scatter, alltoall, scatter, barrier."""
+
+    def _fast(self, name: str, op, algorithm, root, x, out):
+        """A repeated synchronous call (module doc), or ``MISS``: nothing done, the general
+        path runs the call (and explains what is wrong with it)."""
+        layout = LAYOUT[name]
+        if layout == SCATTER_HEADER:
+            return self._scatter_fast(x, root, algorithm, out)
+        if type(x) is not np.ndarray or self._pending or not x.flags.c_contiguous \
+                or self._closed or self._broken is not None or type(root) is not int:
+            return MISS
+        if layout < BLOCKS:
+            count = x.size
+        elif x.ndim and x.shape[0] == self.size:
+            count = x.size // self.size
+        else:
+            return MISS
+        c = self._calls.get((name, op, algorithm, x.dtype, count, root))
+        if c is None:
+            return MISS
+        flat = x.ndim == 1
+        inb = x if flat else x.reshape(-1)
+        if c.no_result:               # barrier; reduce and gather off the root (out= ignored)
+            res, outb = None, (inb if layout == NONE else np.empty(c.out_count, x.dtype))
+        elif out is None and flat and layout == SAME:
+            res = outb = np.empty(count, x.dtype)      # 1-D in, 1-D out: nothing to shape
+        else:
+            shape = x.shape if layout == SAME else (self.size,) + x.shape \
+                if layout == STACKED else x.shape[1:] if layout == BLOCKS else x.shape
+            if out is None:
+                res = np.empty(shape, x.dtype)
+            elif type(out) is np.ndarray and out.shape == shape and out.dtype == x.dtype \
+                    and out.flags.c_contiguous:
+                res = out
+            else:
+                return MISS
+            outb = res if res.ndim == 1 else res.reshape(-1)
+            if out is not None and c.separate:
+                inb = self._separate(inb, outb, out)
+        if c.hot and self.small_path and inb.__class__ is not InPlace \
+                and self._guard.acquire(False):
+            # the thread that finds the communicator idle runs the compiled plan itself: the
+            # general path's steps with nothing recomputed (docs/decisions/small-message-path.md)
+            self._busy_thread, self._depth, self.busy_with = get_ident(), 1, name
+            try:
+                self._seq = seq = self._seq + 1
+                if inb is outb and not c.alias0:
+                    inb = inb.copy()
+                try:
+                    c.run((inb, outb, c.tmp), self._small_io, c.kernel, self._ctx, seq, c.call,
+                          count, _monotonic() + self.timeout, c.label, SMALL_SPIN_S)
+                except CommError as e:
+                    self._fail(e)
+            finally:
+                self._depth, self.busy_with, self._busy_thread = 0, None, None
+                self._guard.release()
+        else:
+            self._enter(name)
+            try:
+                self._run_call(c, inb, outb, count, x.shape)
+            finally:
+                self._exit()
+        if c.avg:
+            outb /= self.size
+        return res
+
+    def _general(self, name: str, x, op, algorithm, root, out, async_op: bool):
+        """The general path (module doc): inside the guard, bind the call, then run or submit."""
+        self._enter(name)
+        try:
+            return self._submit(name, self._bind(name, x, op, algorithm, root, out), async_op)
+        finally:
+            self._exit()
+
+    def _bind(self, name: str, x, op, algorithm, root, out):
+        """Check a collective's arguments (TypeError / ValueError before any message) and bind
+        them to flat buffers; returns ``run()``, which executes the call and returns its result."""
+        layout = LAYOUT[name]
+        if layout == SCATTER_HEADER:
+            return self._bind_scatter(x, root, algorithm, out)
+        if layout == NONE:
+            return lambda: self._execute(name, EMPTY, EMPTY, 0, "none", 0, algorithm, EMPTY.shape)
+        if name in REDUCING:
+            op = _ops.normalize(op)
+        if name in ROOTED:
+            root = self._check_root(root, name)
+        arr, inflat = self._flat_in(x)
+        if name in REDUCING:
+            _ops.check_dtype(op, arr.dtype)
+        size, count, shape = self.size, inflat.size, arr.shape
+        if layout == STACKED:
+            shape = (size,) + arr.shape
+        elif layout >= BLOCKS:
+            block = self._blocked(arr, name)
+            count //= size
+            shape = block if layout == BLOCKS else arr.shape
+        if name in RESULT_AT_ROOT and self.rank != root:
+            res, outflat = None, np.empty(count * size if layout == STACKED else count, arr.dtype)
+        else:
+            res, outflat = self._make_out(out, shape, arr.dtype, name)
+        if name != "broadcast" or self.rank == root:      # a non-root never reads its x
+            inflat = self._separate(inflat, outflat, out)
+        avg = op == _ops.AVG and res is not None
+
+        def run():
+            self._execute(name, inflat, outflat, count, op, root, algorithm, arr.shape)
+            if avg:
+                np.true_divide(outflat, size, out=outflat)     # outflat /= size
+            return res
+        return run
+
+    def allreduce(self, x, op="sum", algorithm="auto", out=None, async_op=False):
+        """Reduce ``x`` elementwise over all ranks with ``op``; every rank gets the result.
+
+        Args: x, op (sum prod min max avg band bor bxor; avg on floating / complex only),
+        algorithm, out, async_op as in the module doc.
+        Returns the result (a new array of x's shape, or ``out``); a ``Work`` with async_op.
+        Raises: TypeError / ValueError (bad op, dtype or out) before any message; CommError.
+        >>> y = comm.allreduce(np.ones(4))
+        """
+        if not async_op:
+            y = self._fast("allreduce", op, algorithm, 0, x, out)
+            if y is not MISS:
+                return y
+        return self._general("allreduce", x, op, algorithm, 0, out, async_op)
+
+    def reduce(self, x, root=0, op="sum", algorithm="auto", out=None, async_op=False):
+        """Reduce ``x`` elementwise over all ranks with ``op`` into rank ``root``.
+
+        Args: x, root (a rank), op (as allreduce), algorithm, out (the root's), async_op.
+        Returns the result at the root (a new array, or ``out``), None elsewhere; a ``Work``
+        with async_op. Raises: TypeError / ValueError (bad root, op, dtype, out); CommError.
+        >>> y = comm.reduce(np.ones(4), root=0, op="max")
+        """
+        if not async_op:
+            y = self._fast("reduce", op, algorithm, root, x, out)
+            if y is not MISS:
+                return y
+        return self._general("reduce", x, op, algorithm, root, out, async_op)
+
+    def broadcast(self, x, root=0, algorithm="auto", out=None, async_op=False):
+        """Every rank gets the root's ``x``.
+
+        Args: x (every rank passes the same shape and dtype), root (a rank), algorithm, out,
+        async_op. Returns the root's data (a new array, or ``out``); a ``Work`` with async_op.
+        Raises: TypeError / ValueError (bad root, dtype, out) before any message; CommError.
+        >>> y = comm.broadcast(x, root=0)
+        """
+        if not async_op:
+            y = self._fast("broadcast", "none", algorithm, root, x, out)
+            if y is not MISS:
+                return y
+        return self._general("broadcast", x, "none", algorithm, root, out, async_op)
+
+    def allgather(self, x, algorithm="auto", out=None, async_op=False):
+        """Every rank gets every rank's ``x``, stacked by rank.
+
+        Args: x (the same shape on every rank), algorithm, out, async_op.
+        Returns an array of shape ``(size, *x.shape)`` (or ``out``); a ``Work`` with async_op.
+        Raises: TypeError / ValueError (bad dtype or out) before any message; CommError.
+        >>> y = comm.allgather(np.arange(3))
+        """
+        if not async_op:
+            y = self._fast("allgather", "none", algorithm, 0, x, out)
+            if y is not MISS:
+                return y
+        return self._general("allgather", x, "none", algorithm, 0, out, async_op)
+
+    def gather(self, x, root=0, algorithm="auto", out=None, async_op=False):
+        """Rank ``root`` gets every rank's ``x``, stacked by rank.
+
+        Args: x (the same shape on every rank), root (a rank), algorithm, out (the root's),
+        async_op. Returns at the root an array of shape ``(size, *x.shape)`` (or ``out``),
+        None elsewhere; a ``Work`` with async_op. Raises: TypeError / ValueError; CommError.
+        >>> y = comm.gather(np.arange(3), root=0)
+        """
+        if not async_op:
+            y = self._fast("gather", "none", algorithm, root, x, out)
+            if y is not MISS:
+                return y
+        return self._general("gather", x, "none", algorithm, root, out, async_op)
+
+    def reduce_scatter(self, x, op="sum", algorithm="auto", out=None, async_op=False):
+        """Reduce ``x`` of shape ``(size, *s)`` over all ranks with ``op``; rank r gets block r.
+
+        Args: x, op (as allreduce), algorithm, out, async_op.
+        Returns the reduced block of shape ``s`` (or ``out``); a ``Work`` with async_op.
+        Raises: TypeError / ValueError (x not (size, ...), bad op, dtype, out); CommError.
+        >>> y = comm.reduce_scatter(np.ones((comm.size, 4)))
+        """
+        if not async_op:
+            y = self._fast("reduce_scatter", op, algorithm, 0, x, out)
+            if y is not MISS:
+                return y
+        return self._general("reduce_scatter", x, op, algorithm, 0, out, async_op)
+
+    def alltoall(self, x, algorithm="auto", out=None, async_op=False):
+        """Rank r sends block j of its ``x`` (shape ``(size, *s)``) to rank j.
+
+        Args: x, algorithm, out, async_op.
+        Returns ``y`` of x's shape with ``y[j]`` = rank j's ``x[rank]`` (or ``out``); a
+        ``Work`` with async_op. Raises: TypeError / ValueError (x not (size, ...)); CommError.
+        >>> y = comm.alltoall(np.arange(comm.size * 2).reshape(comm.size, 2))
+        """
+        if not async_op:
+            y = self._fast("alltoall", "none", algorithm, 0, x, out)
+            if y is not MISS:
+                return y
+        return self._general("alltoall", x, "none", algorithm, 0, out, async_op)
+
+    def scatter(self, x, root=0, algorithm="auto", out=None, async_op=False):
+        """Rank r gets block ``x[r]`` of the root's ``x`` (shape ``(size, *s)``).
+
+        Args: x (ignored off the root: None is fine), root, algorithm, out (off the root it
+        must match the root's block; without it the block's shape comes from the root), async_op.
+        Returns the block of shape ``s`` (or ``out``); a ``Work`` with async_op.
+        Raises: TypeError / ValueError (bad root, x, out); MismatchError, CommError.
+        >>> y = comm.scatter(blocks if comm.rank == 0 else None, root=0)
+        """
+        if not async_op:
+            y = self._fast("scatter", "none", algorithm, root, x, out)
+            if y is not MISS:
+                return y
+        return self._general("scatter", x, "none", algorithm, root, out, async_op)
+
+    def barrier(self, algorithm="auto", async_op=False):
+        """Return once every rank has entered the barrier.
+
+        Args: algorithm, async_op as in the module doc.
+        Returns None; a ``Work`` with async_op. Raises: ValueError for an unknown algorithm;
+        CommError subclasses on failure.
+        >>> comm.barrier()
+        """
+        if not async_op:
+            y = self._fast("barrier", "none", algorithm, 0, EMPTY, None)
+            if y is not MISS:
+                return y
+        return self._general("barrier", EMPTY, "none", algorithm, 0, None, async_op)

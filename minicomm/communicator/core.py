@@ -1,0 +1,65 @@
+"""The ``Communicator`` class: its state, composed from the package's parts (package doc)."""
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+from ..cost import LinkModel, parse_algo_env
+from ..p2p import P2PEngine
+from ..settings import env_debug, env_timeout, timeout_arg
+from ..transports.base import Capabilities, capabilities_of
+from .buffers import Buffers
+from .calls import CACHE_ENTRIES, CallPlans
+from .collectives import Collectives
+from .fingerprints import Fingerprints
+from .groups import Groups
+from .lifecycle import COLL, P2P, Lifecycle, context
+from .memory import RegisteredBuffers
+from .objects import ObjectCollectives
+from .pointtopoint import PointToPoint
+from .scatter import ScatterHeader
+
+
+class Communicator(Collectives, ScatterHeader, ObjectCollectives, PointToPoint, Groups,
+                   RegisteredBuffers, CallPlans, Fingerprints, Buffers, Lifecycle):
+    """A group of ranks that run collectives together. Create with ``mc.spawn`` or ``mc.init``.
+
+    ``rank``, ``size``, ``group`` (world ranks), ``topology`` (node of each rank), ``node``,
+    ``num_nodes``, ``local_rank``, ``local_size``; ``transport`` and its capabilities ``caps``
+    (learned once, here); ``timeout`` (seconds per call); ``check`` ("header", or "full": a
+    fingerprint exchange before every call); ``link_model`` (what ``algorithm="auto"`` uses)."""
+
+    def __init__(self, transport, rank: int, size: int, *, group: Optional[Sequence[int]] = None,
+                 topology: Optional[Sequence[int]] = None, comm_id: int = 1,
+                 timeout: Optional[float] = None, check: Optional[str] = None,
+                 link_model: Optional[LinkModel] = None, _owner: bool = True,
+                 _caps: Optional[Capabilities] = None):
+        self.transport = transport
+        self.caps = capabilities_of(transport) if _caps is None else _caps
+        self.rank, self.size = rank, size
+        self.group = tuple(group) if group is not None else tuple(range(size))
+        topo = tuple(topology) if topology is not None else (0,) * size
+        # Node ids renumbered 0..k-1 in order of first appearance, so every rank agrees.
+        remap: Dict[int, int] = {}
+        self.topology = tuple(remap.setdefault(t, len(remap)) for t in topo)
+        self.node = self.topology[rank]
+        self.num_nodes = len(set(self.topology))
+        same = [r for r in range(size) if self.topology[r] == self.node]
+        self.local_rank, self.local_size = same.index(rank), len(same)
+        self.comm_id = comm_id
+        self.timeout = timeout_arg("timeout", timeout) or env_timeout()
+        debug = env_debug()
+        self.debug_info = debug in ("info", "detail")
+        # "header": tags checked on every message, plus a fingerprint exchange before rooted
+        # collectives; "full" (MINICOMM_DEBUG=detail): a fingerprint exchange before every call.
+        self.check = check or ("full" if debug == "detail" else "header")
+        self._algo_env = parse_algo_env()
+        self._ctx = context(comm_id, COLL)
+        self._init_lifecycle(_owner)
+        self._init_fingerprints(CACHE_ENTRIES)
+        self._init_scatter()
+        self._init_calls(link_model)      # sets link_model, which clears the scatter plans too
+        self._p2p = P2PEngine(transport, rank, self.group, context(comm_id, P2P))
+
+    def __repr__(self):
+        return (f"<Communicator rank {self.rank}/{self.size} node {self.node}/{self.num_nodes} "
+                f"transport={self.transport.name} id={self.comm_id}>")

@@ -1,0 +1,320 @@
+"""A communicator's life: the one-thread guard, async work in program order, break and close.
+
+A communicator is used by one thread at a time (MPI_THREAD_SERIALIZED): ``_enter`` / ``_exit``
+take and release the guard, re-entrantly for calls made by calls (object collectives, split).
+``async_op=True`` queues a call for the communicator's one worker thread, which runs the queue
+in program order; a synchronous call made while work is queued waits for it. The first error
+of a collective is final (as in Gloo and NCCL): ``_break`` tells the peers and cancels this
+communicator's messages, and every later call raises.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import queue
+import sys
+import threading
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..errors import CommError, CommTimeout, MismatchError, PeerFailure
+from ..p2p import Status
+from ..transports.base import ABORT_CALL, ABORT_KINDS, Tag
+
+# Context ids (Tag.comm). A communicator has a number, ``comm_id``, unique among the
+# communicators that share a transport; its collectives travel on context ``comm_id << 2`` and its
+# point-to-point messages on ``comm_id << 2 | 1``. Numbers: the world is 1; numbers below
+# ``SPLIT_BASE`` are reserved for internal pairs (link measurement); split() numbers are
+# allocated by the lowest rank of each new group from its own counter, as
+# ``(world rank + 1) << 24 | counter``, and broadcast to the group: unique without a hash.
+WORLD_ID = 1
+SPLIT_BASE = 1 << 24
+COLL, P2P = 0, 1
+id_counter = itertools.count(1)
+get_ident = threading.get_ident
+
+
+def context(comm_id: int, kind: int) -> int:
+    """The ``Tag.comm`` of communicator ``comm_id``'s collectives (COLL) or messages (P2P)."""
+    return comm_id << 2 | kind
+
+
+def serialized(name: str):
+    """Run a public method inside the communicator's one-thread-at-a-time guard."""
+    def deco(method):
+        @functools.wraps(method)
+        def wrapper(self, *args, **kwargs):
+            self._enter(name)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._exit()
+        return wrapper
+    return deco
+
+
+class Work:
+    """Handle of an ``async_op=True`` collective, an ``isend`` or an ``irecv``:
+    ``wait(timeout=None)`` returns its result (or raises its error); ``is_completed()``.
+    An ``irecv``'s ``status`` tells the source and tag it matched."""
+
+    def __init__(self, description: str, drive=None):
+        self.description = description
+        self._event = threading.Event()
+        self._result = None
+        self._error: Optional[BaseException] = None
+        self._drive = drive           # p2p: moves the messages, in the waiting thread
+        self.status: Optional[Status] = None
+
+    def _finish(self, result=None, error: Optional[BaseException] = None):
+        self._result, self._error = result, error
+        self._event.set()
+
+    def is_completed(self) -> bool:
+        """True once the operation finished (successfully or not). ``>>> w.is_completed()``"""
+        return self._event.is_set()
+
+    def wait(self, timeout: Optional[float] = None):
+        """The operation's result, once done (``timeout`` seconds at most; None: no limit).
+        Raises its error, or CommTimeout. ``>>> y = comm.allreduce(x, async_op=True).wait()``"""
+        if self._drive is not None and not self._event.is_set():
+            self._drive(timeout)
+        if not self._event.wait(timeout):
+            raise CommTimeout(f"{self.description} did not complete within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    result = wait
+
+
+def same_error(e: BaseException) -> BaseException:
+    """A fresh exception of ``e``'s class and message (one instance per raise)."""
+    try:
+        c = type(e)(str(e))
+    except Exception:
+        return CommError(str(e))
+    c.peer = getattr(e, "peer", None)
+    return c
+
+
+def translate_peer(e: BaseException, group: Sequence[int]) -> BaseException:
+    """A transport's PeerFailure names a world rank: give this communicator's rank instead."""
+    world = getattr(e, "peer", None)
+    if isinstance(e, PeerFailure) and world in group:
+        e.peer = list(group).index(world)
+    return e
+
+
+class Lifecycle:
+    """The guard, the async worker, break, abort and close (module doc). State set up by
+    ``_init_lifecycle``; the communicator's ``transport``, ``rank``, ``group``, ``timeout``,
+    ``_ctx`` and ``_p2p`` are the composing class's."""
+
+    def _init_lifecycle(self, owner: bool) -> None:
+        self._owner = owner
+        self._seq = 0
+        # async work: a queue with its own lock (submitting never waits for running work) and
+        # one worker thread that runs the queued calls in program order
+        self._qlock = threading.Lock()
+        self._queue: "queue.Queue" = queue.Queue()
+        self._pending = 0
+        self._worker: Optional[threading.Thread] = None
+        # one user thread at a time (MPI_THREAD_SERIALIZED), checked by _enter/_exit
+        self._guard = threading.Lock()
+        self._busy_thread: Optional[int] = None
+        self._depth = 0
+        self.busy_with: Optional[str] = None     # the call that holds the guard now
+        self._broken: Optional[BaseException] = None
+        self._closed = False
+        self._closing_error: Optional[BaseException] = None
+        self._store = self._store_server = None  # a launched world's rendezvous (launch sets them)
+
+    def _log(self, msg: str) -> None:
+        if self.debug_info:
+            print(f"[minicomm rank {self.group[self.rank]}] {msg}", file=sys.stderr, flush=True)
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.timeout
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    # ------------------------------------------------------------------ the one-thread guard
+    def _enter(self, what: str) -> None:
+        if self._guard.acquire(False):
+            self._busy_thread = get_ident()
+            self._depth, self.busy_with = 1, what
+            return
+        if self._busy_thread == get_ident():
+            self._depth += 1          # a call made by a call (object collectives, split)
+            return
+        busy = next((t.name for t in threading.enumerate() if t.ident == self._busy_thread),
+                    str(self._busy_thread))          # named only on this error path
+        raise CommError(
+            f"{what} called on thread {threading.current_thread().name!r} while this "
+            f"communicator is in {self.busy_with} on thread {busy!r}: a communicator "
+            f"is used by one thread at a time (like MPI_THREAD_SERIALIZED); give each thread its "
+            f"own communicator with split(), or overlap with async_op=True")
+
+    def _exit(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.busy_with, self._busy_thread = None, None
+            self._guard.release()
+
+    def _usable(self, what: str) -> None:
+        if self._broken is not None:
+            e = self._broken
+            raise CommError(f"{what}: communicator is broken: {type(e).__name__}: {e}")
+        if self._closed:
+            raise CommError(f"{what}: communicator is closed")
+
+    # ------------------------------------------------------------------ errors
+    def _break(self, error: BaseException) -> None:
+        """The first error of a collective is final (as in Gloo and NCCL): tell the peers, drop
+        this communicator's posted and queued messages, and fail whatever is queued."""
+        if self._broken is not None:
+            return
+        self._broken = error
+        kind = type(error).__name__
+        step = ABORT_KINDS.index(kind) if kind in ABORT_KINDS else ABORT_KINDS.index("CommError")
+        notice = np.empty(0, dtype=np.uint8)
+        skip = getattr(error, "peer", None)
+        for r, peer in enumerate(self.group):
+            if r == self.rank or peer == skip:
+                continue
+            try:
+                self.transport.isend(peer, notice, Tag(self._ctx, -1, step, ABORT_CALL, self._seq))
+            except (CommError, OSError, ValueError):
+                pass                  # that link is gone: its peer learns of it anyway
+        broken = CommError(f"communicator is broken: {kind}: {error}")
+        self.transport.cancel_context(self._ctx, broken)
+        self.transport.cancel_context(self._p2p.ctx, broken)
+
+    def _fail(self, e: CommError):
+        """A call's error is final: break the communicator and raise it (see ``_break``)."""
+        if self._closing_error is not None and not isinstance(e, (MismatchError, PeerFailure)):
+            e = same_error(self._closing_error)      # woken by close() from another thread
+        self._break(e)
+        raise e from None
+
+    # ------------------------------------------------------------------ async work
+    def _submit(self, description: str, fn, async_op: bool):
+        """Run ``fn`` now (sync) or on this communicator's worker thread (async), keeping the
+        program order of calls: a sync call issued after async ones waits for them."""
+        self._usable(description)
+        if not async_op:
+            if self._pending == 0:
+                return fn()
+            return self._enqueue(description, fn).wait()
+        return self._enqueue(description, fn)
+
+    def _enqueue(self, description: str, fn) -> Work:
+        work = Work(description)
+        with self._qlock:
+            self._pending += 1
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work_loop, daemon=True,
+                                                name=f"minicomm-comm{self.comm_id}-r{self.rank}")
+                self._worker.start()
+        self._queue.put((work, fn))
+        return work
+
+    def _work_loop(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            work, fn = item
+            try:
+                if self._broken is not None:
+                    work._finish(error=same_error(self._broken))
+                elif self._closed and self._closing_error is not None:
+                    work._finish(error=same_error(self._closing_error))
+                else:
+                    work._finish(fn())
+            except BaseException as e:   # delivered to whoever waits on the handle
+                work._finish(error=e)
+            finally:
+                with self._qlock:
+                    self._pending -= 1
+
+    # ------------------------------------------------------------------ abort, close
+    def abort(self, reason: str = "aborted by the user") -> None:
+        """Fail this communicator now: a call blocked in another thread raises at once, queued
+        work fails, later calls raise; peers blocked on this rank learn of it.
+
+        Args: reason, the text every resulting CommError carries. Returns None. Raises nothing.
+        >>> comm.abort("lost the input")
+        """
+        err = CommError(f"communicator aborted: {reason}")
+        self._closing_error = err
+        self._break(err)
+
+    def close(self) -> None:
+        """Finish queued async work (each call bounded by its own deadline), then release the
+        communicator (a world's transport and rendezvous connection with it). Called from
+        another thread while a call runs, it fails that call and the queued ones with a
+        CommError at once, and waits for it to leave before it frees anything.
+
+        Returns None (a second close does nothing). Raises nothing of its own.
+        >>> comm.close()
+        """
+        if self._closed:
+            return
+        busy = self._busy_thread
+        if busy is not None and busy != get_ident():
+            self._stop_running_call()
+        self._stop_worker()
+        self._closed = True
+        if self._closing_error is None:
+            self._closing_error = CommError("communicator is closed")
+        self._release()
+
+    def _stop_running_call(self) -> None:
+        """close() from another thread: fail the running call and wait for it to leave."""
+        err = CommError(f"{self.busy_with}: communicator closed by close() on thread "
+                        f"{threading.current_thread().name!r} while this call ran")
+        self._closing_error = err
+        self._closed = True
+        self.transport.cancel_context(self._ctx, err)
+        self.transport.cancel_context(self._p2p.ctx, err)
+        # the woken call leaves promptly; never tear down under it
+        if self._guard.acquire(timeout=max(10.0, min(self.timeout, 60.0))):
+            self._guard.release()
+
+    def _stop_worker(self) -> None:
+        """Let the worker finish the queue, each call within its deadline, and end."""
+        if self._worker is None:
+            return
+        self._queue.put(None)
+        self._worker.join(self.timeout)
+        if self._worker.is_alive():
+            # a queued call outlived its own deadline: fail it before memory goes away
+            err = self._closing_error or CommError("communicator closed while async work "
+                                                   "was still running")
+            self._closing_error = err
+            self.transport.cancel_context(self._ctx, err)
+            self._worker.join(10.0)
+
+    def _release(self) -> None:
+        """A split communicator drops its contexts; the world closes its transport and store."""
+        if not self._owner:
+            closed = CommError("communicator is closed")
+            self.transport.cancel_context(self._ctx, closed)     # drop what peers still send
+            self.transport.cancel_context(self._p2p.ctx, closed)
+            return
+        self.transport.close()
+        for res in (self._store, self._store_server):
+            if res is not None:
+                res.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

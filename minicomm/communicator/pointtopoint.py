@@ -1,0 +1,178 @@
+"""Point-to-point messages of a communicator: argument checks and ``Work`` handles over the
+matching engine (minicomm.p2p), which runs on the communicator's p2p context."""
+from __future__ import annotations
+
+import numbers
+import time
+from typing import Optional, Tuple
+
+import numpy as np
+
+from ..errors import CommError, CommTimeout
+from ..p2p import ANY_SOURCE, ANY_TAG, MAX_TAG, Status
+from ..settings import timeout_arg
+from .lifecycle import Work, serialized, translate_peer
+
+
+class PointToPoint:
+    """send / recv and their non-blocking forms (module doc)."""
+
+    def _check_peer(self, rank: int, what: str, any_ok: bool) -> int:
+        if isinstance(rank, numbers.Integral):
+            rank = int(rank)
+            if any_ok and rank == ANY_SOURCE:
+                return rank
+            if 0 <= rank < self.size:
+                return rank
+        raise ValueError(f"{what}: rank {rank!r} is not in 0..{self.size - 1}"
+                         + (" or ANY_SOURCE" if any_ok else ""))
+
+    @staticmethod
+    def _check_tag(tag, what: str, any_ok: bool) -> int:
+        if isinstance(tag, numbers.Integral):
+            tag = int(tag)
+            if (any_ok and tag == ANY_TAG) or 0 <= tag <= MAX_TAG:
+                return tag
+        raise ValueError(f"{what}: tag {tag!r} must be an int in 0..{MAX_TAG}"
+                         + (" or ANY_TAG" if any_ok else ""))
+
+    def _p2p_deadline(self, timeout: Optional[float]) -> float:
+        return time.monotonic() + (self.timeout if timeout is None else float(timeout))
+
+    def _isend(self, x, dst, tag) -> Work:
+        arr, flat = self._flat_in(x)
+        dst = self._check_peer(dst, "send", False)
+        tag = self._check_tag(tag, "send", False)
+        self._usable("send")
+        reqs = self._p2p.isend(arr, flat, dst, tag)
+        what = f"send to rank {dst} (tag {tag})"
+        work = Work(what)
+        if not reqs:
+            work._finish(None)
+            return work
+        transport = self.transport
+
+        def drive(timeout):
+            self._enter("wait on " + what)
+            try:
+                if not work.is_completed():
+                    try:
+                        transport.wait_all(reqs, self._p2p_deadline(timeout), what)
+                        work._finish(None)
+                    except CommTimeout:
+                        if timeout is None:
+                            raise
+                    except CommError as e:
+                        work._finish(error=translate_peer(e, self.group))
+            finally:
+                self._exit()
+        work._drive = drive
+        work._keep = flat             # the buffer must live until the send completes
+        return work
+
+    def _irecv(self, src, tag, out) -> Tuple[Work, object]:
+        src = self._check_peer(src, "recv", True)
+        tag = self._check_tag(tag, "recv", True)
+        if out is not None and not isinstance(out, np.ndarray):
+            raise TypeError("recv: out= must be a numpy array")
+        self._usable("recv")
+        work = Work(f"recv from {'any source' if src == ANY_SOURCE else f'rank {src}'} "
+                    f"({'any tag' if tag == ANY_TAG else f'tag {tag}'})")
+        work.status = Status()
+        r = self._p2p.post(src, tag, out, work)
+        engine = self._p2p
+
+        def drive(timeout):
+            self._enter("wait on " + work.description)
+            try:
+                if work.is_completed():
+                    return
+                try:
+                    engine.progress(r.done, self._p2p_deadline(timeout), work.description)
+                except CommTimeout as e:
+                    if timeout is not None:   # wait(timeout) may be retried: keep the receive
+                        raise
+                    engine.cancel(r)
+                    work._finish(error=e)
+                    return
+                except CommError as e:
+                    engine.cancel(r)
+                    work._finish(error=e)
+                    return
+                if r.error is not None:
+                    work._finish(error=r.error)
+                else:
+                    work._finish(r.result)
+            finally:
+                self._exit()
+        work._drive = drive
+        if r.done():
+            drive(None)
+        return work, r
+
+    def _recv(self, src, tag, out, status: Optional[Status], timeout):
+        timeout = timeout_arg("recv: timeout", timeout)     # checked before anything is consumed
+        work, r = self._irecv(src, tag, out)
+        if not work.is_completed():
+            try:
+                self._p2p.progress(r.done, self._p2p_deadline(timeout), work.description)
+            except CommError:
+                self._p2p.cancel(r)
+                raise
+            work._finish(r.result, r.error)
+        y = work.wait(0)
+        if status is not None:
+            st = work.status
+            status.source, status.tag, status.nbytes = st.source, st.tag, st.nbytes
+            status.dtype, status.shape = st.dtype, st.shape
+        return y
+
+    @serialized("isend")
+    def isend(self, x, dst: int, tag: int = 0) -> Work:
+        """Post one message to rank ``dst``, matched on (source, tag) by the receiver.
+
+        Args: x, a numeric or bool array; dst, a rank; tag, an int in 0..MAX_TAG.
+        Returns a ``Work``: ``wait()`` returns None once ``x`` may be reused.
+        Raises: TypeError / ValueError for bad arguments; CommError if the communicator is
+        broken or closed (``wait()`` raises the send's own failure).
+        >>> w = comm.isend(np.arange(3), 1); w.wait()
+        """
+        return self._isend(x, dst, tag)
+
+    @serialized("send")
+    def send(self, x, dst: int, tag: int = 0) -> None:
+        """Send one message to rank ``dst``; returns once ``x`` may be reused.
+
+        Args: x, a numeric or bool array; dst, a rank; tag, an int in 0..MAX_TAG.
+        Returns None. Raises: TypeError / ValueError for bad arguments; CommTimeout,
+        PeerFailure or CommError when the message cannot be delivered.
+        >>> comm.send(np.arange(3), dst=1, tag=7)
+        """
+        self._isend(x, dst, tag).wait()
+
+    @serialized("irecv")
+    def irecv(self, src: int, tag: int = 0, out=None) -> Work:
+        """Post a receive of one message from ``src`` (or ``ANY_SOURCE``) with ``tag`` (or
+        ``ANY_TAG``).
+
+        Args: src, tag as for ``recv``; out, an array to receive into (checked against the
+        message's dtype and size before its payload is touched).
+        Returns a ``Work``: ``wait()`` returns the array, ``status`` tells what it matched.
+        Raises: ValueError / TypeError for bad arguments; CommError if unusable.
+        >>> y = comm.irecv(0, tag=7).wait()
+        """
+        return self._irecv(src, tag, out)[0]
+
+    @serialized("recv")
+    def recv(self, src: int, tag: int = 0, out=None, status: Optional[Status] = None,
+             timeout: Optional[float] = None):
+        """Receive one message from ``src`` (or ``ANY_SOURCE``) with ``tag`` (or ``ANY_TAG``);
+        shape and dtype come from the message.
+
+        Args: out, an array to receive into (checked before anything is consumed); status, a
+        ``Status`` to fill; timeout, seconds (default the communicator's): cancels only this
+        receive. Returns the array (``out`` if given).
+        Raises: ValueError / TypeError for bad arguments; CommTimeout, PeerFailure, CommError.
+        >>> y = comm.recv(0, tag=7)
+        """
+        return self._recv(src, tag, out, status, timeout)
