@@ -32,19 +32,22 @@ import numpy as np
 
 import minicomm as mc
 from minicomm.communicator import Communicator
+from minicomm.transports.base import Capabilities
 
 
 class Answering:
     """A transport whose peer has always answered: every message is sent and received on the
-    spot (a receive that reduces adds zeros). It offers what shm offers the small path, so the
-    communicator compiles the same plan."""
+    spot (a receive that reduces adds zeros). It declares the eager channel with the real
+    transport's ``small_bytes``, so the communicator compiles the same plan; its two-sided core
+    is never reached (every eager call succeeds)."""
     name = "answering"
 
-    def __init__(self, small_bytes: int, exchange: bool):
-        self.small_bytes = small_bytes
+    def __init__(self, rank: int, size: int, small_bytes: int):
+        self.rank, self.size, self.small_bytes = rank, size, small_bytes
         self._zeros = {}
-        if exchange:
-            self.sendrecv_now = self._sendrecv_now
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(eager=self)
 
     def _reduce(self, reduce, buf):
         z = self._zeros.get((buf.dtype, buf.size))
@@ -60,7 +63,7 @@ class Answering:
             self._reduce(reduce, buf)
         return True
 
-    def _sendrecv_now(self, peer, sbuf, rbuf, tag, reduce, spin):
+    def sendrecv_now(self, peer, sbuf, rbuf, tag, reduce, spin):
         if reduce is not None:
             self._reduce(reduce, rbuf)
         return 3
@@ -70,6 +73,18 @@ class Answering:
             if reduce is not None:
                 self._reduce(reduce, buf)
         return []
+
+    # the two-sided core: a posted message would mean the plans differ, which main() rules out
+    def _posted(self, *args, **kwargs):
+        raise NotImplementedError("the answering transport moves eager messages only")
+
+    isend = irecv = wait_all = wait_any = detach = _posted
+
+    def cancel_context(self, ctx, error):
+        pass
+
+    def abort(self, reason):
+        pass
 
     def close(self):
         pass
@@ -82,9 +97,11 @@ def best_us(fn, number: int) -> float:
 def main():
     comm = mc.init()
     calls = int(os.environ.get("CALLS", "5000"))
-    t = comm.transport
-    solo = Communicator(Answering(getattr(t, "small_bytes", 0), hasattr(t, "sendrecv_now")),
-                        comm.rank, comm.size, link_model=comm.link_model)
+    if comm.caps.eager is None:
+        raise SystemExit(f"the {comm.transport.name} transport has no eager channel: the small "
+                         "path this profiles runs on shm")
+    answering = Answering(comm.rank, comm.size, comm.caps.eager.small_bytes)
+    solo = Communicator(answering, comm.rank, comm.size, link_model=comm.link_model)
     x, y = np.ones(2, np.float32), np.empty(2, np.float32)
     cases = {"allreduce 8 B": (lambda c: c.allreduce(x, out=y), "allreduce", 2),
              "barrier": (lambda c: c.barrier(), "barrier", 0)}

@@ -118,7 +118,7 @@ def main():
                 check.collectives(algo, count, dtype)
     check.point_to_point()
     comm.barrier()
-    describe = getattr(comm.transport, "describe", lambda: comm.transport.name)()
+    describe = comm.caps.describe() if comm.caps.describe else comm.transport.name
     print(json.dumps(dict(rank=comm.rank, size=comm.size, host=socket.gethostname(),
                           node=comm.node, local_rank=comm.local_rank, transports=describe,
                           algorithms=list(algorithms), checks=check.n)), flush=True)

@@ -199,7 +199,7 @@ def main():
     if comm.rank == 0:
         layout = "x".join(str(list(comm.topology).count(h)) for h in sorted(set(comm.topology)))
         print(f"# {comm.size} ranks, hosts x ranks: {layout}; "
-              f"{getattr(comm.transport, 'describe', lambda: comm.transport.name)()}")
+              f"{comm.caps.describe() if comm.caps.describe else comm.transport.name}")
         print(f"# links: alpha_inter {links['alpha_inter'] * 1e6:.0f} us, inter goodput "
               f"{8 / links['beta_inter'] / 1e9:.3f} Gbit/s (socket), "
               f"{8 * links['minicomm_goodput_inter'] / 1e9:.3f} Gbit/s (minicomm 16 MiB); "

@@ -16,19 +16,19 @@ import numpy as np
 from interleave import interleaved, report
 
 import minicomm as mc
-from minicomm.communicator import _META_WORDS, _decode_meta, _encode_meta
+from minicomm.communicator.scatter import META_WORDS, decode_meta, encode_meta
 
 
 def broadcast_then_scatter(comm, x, root, out):
     """The replaced protocol: a tree broadcast of the root's shape and dtype, then the data."""
     if comm.rank == root:
         arr, inflat = comm._flat_in(x)
-        meta = _encode_meta(arr.dtype, arr.shape[1:])
+        meta = encode_meta(arr.dtype, arr.shape[1:])
     else:
-        meta = np.zeros(_META_WORDS, dtype=np.int64)
-    m = np.empty(_META_WORDS, dtype=np.int64)
-    comm._execute("broadcast", meta, m, _META_WORDS, "none", root, "tree", (_META_WORDS,))
-    dtype, block = _decode_meta(m)
+        meta = np.zeros(META_WORDS, dtype=np.int64)
+    m = np.empty(META_WORDS, dtype=np.int64)
+    comm._execute("broadcast", meta, m, META_WORDS, "none", root, "tree", (META_WORDS,))
+    dtype, block = decode_meta(m)
     res, outflat = comm._make_out(out, block, dtype, "scatter")
     src = comm._separate(inflat, outflat, out) if comm.rank == root else np.empty(0, dtype)
     comm._execute("scatter", src, outflat, outflat.size, "none", root, "auto",

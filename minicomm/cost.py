@@ -357,7 +357,7 @@ def host_model(m: LinkModel, working_set: float = 0.0) -> HostModel:
 _host_models: Dict[Tuple[LinkModel, float], HostModel] = {}
 
 
-# a rooted call's lazy call check: 3 int64 per rank to every other (communicator.py
+# a rooted call's lazy call check: 3 int64 per rank to every other (communicator/fingerprints.py
 # _post_fingerprints), in ITEMSIZE elements
 FINGERPRINT_COUNT = 3 * 8 // ITEMSIZE
 _guarded_programs: Dict[int, Tuple[Any, Any]] = {}

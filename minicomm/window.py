@@ -27,7 +27,8 @@ locks on one target, unlock without lock, fence or free while holding a lock: RM
 
 Atomicity. ``accumulate`` / ``get_accumulate`` / ``fetch_and_op`` / ``compare_and_swap`` are atomic
 per element with respect to each other when concurrent ones use the same op (or no_op) -- MPI's
-default ``accumulate_ops = same_op_no_op`` -- and over shm with respect to every op. How:
+default ``accumulate_ops = same_op_no_op`` -- and over shm with respect to every op. How (by
+the features each channel declares, transports/base.py's ``OneSidedChannel``):
   shm   every read-modify-write runs under the target's process-shared mutex (one critical
         section: load, op, store);
   rdma, ub  an 8-byte integer window with op sum / replace / no_op uses the NIC's atomics
@@ -130,9 +131,9 @@ class Window:
             self._release()
             raise
         self.local = exp.u8[CONTROL:].view(self.dtype).reshape(arr.shape)
-        # shm targets: typed views of their memory for fetch_and_op's fast path
-        self._typed = [ch.typed(CONTROL, self.dtype, self._counts[r])
-                       if hasattr(ch, "typed") else None for r, ch in enumerate(self._channels)]
+        # mapped (shm) targets: typed views of their memory for fetch_and_op's fast path
+        self._typed = [ch.typed(CONTROL, self.dtype, self._counts[r]) if ch.mapped else None
+                       for r, ch in enumerate(self._channels)]
         # ... and, for the common dtypes, Python-level word views (no numpy call at all)
         fmt = _WORDS.get(self.dtype)
         self._words = [memoryview(v).cast("B").cast(fmt[0]) if v is not None and fmt else None
@@ -300,7 +301,7 @@ class Window:
         if new.size != 1 or cmp.size != 1:
             raise ValueError("win.compare_and_swap: one value and one compare value")
         boff = self._span(t, offset, 1, "compare_and_swap")
-        if getattr(ch, "native_atomics", False) and self._isz == 8:
+        if ch.native_atomics and self._isz == 8:
             old = ch.cas(boff, int(cmp.view(np.int64)[0]), int(new.view(np.int64)[0]))
             return np.array([old], dtype=np.int64).view(self.dtype)[0]
 
@@ -313,8 +314,7 @@ class Window:
         """The read-modify-write of an accumulate-family call (module doc: Atomicity)."""
         n = src.size
         apply = op if callable(op) else (lambda cur: _apply(op, cur, src))
-        update = getattr(ch, "update", None)
-        if update is not None:        # shm: one critical section on the target's memory
+        if ch.mapped:                 # shm: one critical section on the target's memory
             dtype = self.dtype
 
             def fn(view_u8):
@@ -322,7 +322,7 @@ class Window:
                 old = cur.copy() if fetch else None
                 apply(cur)
                 return old
-            return update(boff, n * self._isz, fn)
+            return ch.update(boff, n * self._isz, fn)
         if ch.native_atomics and self._isz == 8 and self.dtype.kind in "iu" and \
                 op in ("sum", "replace", "no_op"):
             words = src.view(np.int64)
@@ -347,10 +347,9 @@ class Window:
 
     @staticmethod
     def _swap(ch, off: int, value: int) -> int:
-        swap = getattr(ch, "swap", None)
-        if swap is not None:
-            return swap(off, value)
-        cur = ch.fadd(off, 0)         # rdma has no swap: a CAS loop
+        if ch.native_swap:
+            return ch.swap(off, value)
+        cur = ch.fadd(off, 0)         # no native swap (rdma): a CAS loop
         while True:
             seen = ch.cas(off, cur, value)
             if seen == cur:

@@ -35,8 +35,12 @@ rank's exposed memory (``u8``, a ``descriptor`` for the peers, ``seal()`` once e
 attached, ``close()``); ``rma_attach(peer, descriptor, channel)`` a channel to a peer's memory
 with ``put(off, src_u8)`` (may complete at ``flush()``), ``get(off, dst_u8)`` (complete on
 return), ``fadd(off, v)`` / ``cas(off, compare, swap)`` on 8-byte words returning the old value,
-``flush()``, ``close()``; shm channels also offer ``update(off, n, fn)``, a read-modify-write
-under the target's mutex. Failed accesses raise ``RMAError`` naming the transport's status.
+``flush()``, ``close()`` (``OneSidedChannel``). A channel declares its optional features as
+class attributes (``ChannelBase`` holds the defaults): ``mapped`` (shm: the target's memory is
+mapped here -- ``typed(off, dtype, count)``, ``update(off, n, fn)``, a read-modify-write under the
+target's ``mutex``), ``native_atomics`` (rdma, ub: the target's NIC does 8-byte fadd / cas) and
+``native_swap`` (ub: ``swap(off, value)``). Failed accesses raise ``RMAError`` naming the
+transport's status.
 
 ``reduce`` lets a transport reduce straight out of its landing memory (shared memory, a socket
 buffer it owns) into the destination, saving a copy: ``reduce(dst_view, incoming_view)`` performs
@@ -168,8 +172,55 @@ class OneSided(Protocol):
     def rma_expose(self, nbytes: int, name: str) -> Any:
         """This rank's exposed memory (``u8``, ``descriptor``, ``seal()``, ``close()``)."""
 
-    def rma_attach(self, peer: int, descriptor: bytes, channel: int) -> Any:
-        """A channel to ``peer``'s exposed memory (``put``, ``get``, ``fadd``, ``cas``, ...)."""
+    def rma_attach(self, peer: int, descriptor: bytes, channel: int) -> "OneSidedChannel":
+        """A channel to ``peer``'s exposed memory."""
+
+
+@runtime_checkable
+class OneSidedChannel(Protocol):
+    """A window's access to one target (what ``rma_attach`` returns; the module doc's
+    "One-sided"). The three flags say which optional features it has (``ChannelBase``)."""
+    mapped: bool
+    native_atomics: bool
+    native_swap: bool
+
+    def put(self, off: int, src: np.ndarray) -> None:
+        """Write ``src`` at byte ``off`` of the target (may complete at ``flush``)."""
+
+    def get(self, off: int, dst: np.ndarray) -> None:
+        """Read into ``dst`` from byte ``off`` of the target (complete on return)."""
+
+    def fadd(self, off: int, value: int) -> int:
+        """Atomically add ``value`` to the 8-byte word at ``off``; the old value."""
+
+    def cas(self, off: int, compare: int, swap: int) -> int:
+        """Atomically store ``swap`` at ``off`` if the word there is ``compare``; the old value."""
+
+    def flush(self) -> None:
+        """Complete every ``put`` posted so far."""
+
+    def close(self) -> None:
+        """Release the channel's resources."""
+
+
+class ChannelBase:
+    """The defaults of ``OneSidedChannel``'s optional features: none. Each channel class
+    declares every flag it sets; a method whose flag is False is never called."""
+    mapped = False            # typed(), update() and mutex: the target's memory is mapped here
+    native_atomics = False    # fadd / cas on 8-byte words run on the target's NIC
+    native_swap = False       # swap(): an atomic 8-byte exchange
+
+    def typed(self, off: int, dtype, count: int) -> np.ndarray:
+        """``count`` elements of ``dtype`` at byte ``off`` of the target's memory (``mapped``)."""
+        raise NotImplementedError(f"{type(self).__name__} is not mapped")
+
+    def update(self, off: int, nbytes: int, fn: Callable[[np.ndarray], Any]) -> Any:
+        """``fn(view)`` on the target's bytes [off, off+nbytes) under its mutex (``mapped``)."""
+        raise NotImplementedError(f"{type(self).__name__} is not mapped")
+
+    def swap(self, off: int, value: int) -> int:
+        """Atomically store ``value`` at ``off``; the old value (``native_swap``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no native swap")
 
 
 @runtime_checkable

@@ -54,7 +54,7 @@ import numpy as np
 
 from minicomm.errors import CommError, RMAError
 from . import nic as _nic
-from .base import Capabilities
+from .base import Capabilities, ChannelBase
 from .landing import CREDIT, DATA, LANDING_QP, RECORDS, LandingEngine, _Link
 from .nic import LinkParams
 
@@ -430,11 +430,13 @@ class _RdmaExposure:
             self.mr = None
 
 
-class _RdmaChannel:
+class _RdmaChannel(ChannelBase):
     """A window's access to one target: one QP and CQ; WRITE is posted (completed by
     ``flush``), READ and atomics wait for their completion. An error completion raises
     ``RMAError`` naming the verbs status, and resets the QP."""
-    native_atomics = True
+    mapped = False
+    native_atomics = True     # FETCH_AND_ADD and CMP_AND_SWP verbs
+    native_swap = False       # verbs have no swap: the window loops on CAS
 
     def __init__(self, t: RdmaTransport, peer: int, descriptor: bytes, channel: int):
         self.t, self.peer = t, peer

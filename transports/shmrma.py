@@ -22,6 +22,7 @@ import os
 import numpy as np
 
 from minicomm.errors import CommError
+from .base import ChannelBase
 from .bytecopy import copy
 from .segment import PAGE, Arena, SharedMutex, round_up
 
@@ -64,9 +65,11 @@ class ShmExposure:
             self.arena = None
 
 
-class ShmChannel:
+class ShmChannel(ChannelBase):
     """Direct access to one target's window memory (module doc)."""
-    native_atomics = False
+    mapped = True             # typed views, update() and the target's mutex
+    native_atomics = False    # fadd / cas are updates under the mutex
+    native_swap = False
 
     def __init__(self, path: str, own=None):
         try:

@@ -66,7 +66,7 @@ import numpy as np
 
 from minicomm.errors import CommError, RMAError
 from . import nic as _nic
-from .base import Capabilities
+from .base import Capabilities, ChannelBase
 from .landing import CREDIT, DATA, RECORDS, RING, LandingEngine, _Link
 from .nic import LinkParams
 
@@ -640,10 +640,12 @@ class _UbExposure:
             self.seg = None
 
 
-class _UbChannel:
+class _UbChannel(ChannelBase):
     """A window's access to one target: the imported segment, used with memory semantics
     (synchronous store / load / atomics; nothing is left to flush)."""
-    native_atomics = True
+    mapped = False
+    native_atomics = True     # the segment's fadd / cas
+    native_swap = True
 
     def __init__(self, t: UbTransport, peer: int, descriptor: bytes):
         info = SegmentInfo.unpack(descriptor[:_INFO.size])

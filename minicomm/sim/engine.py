@@ -337,8 +337,9 @@ def repeat_program(prog: Program, calls: int) -> Program:
 def guarded_program(prog: Program, count: int) -> Program:
     """``prog`` with the communicator's lazy call check around it (rooted collectives): every
     rank first sends ``count`` elements to every other rank (its call's fingerprint, eager),
-    runs the call, and ends by receiving every other rank's fingerprint (communicator.py
-    ``_post_fingerprints``: the data moves at once; the call returns when all have arrived)."""
+    runs the call, and ends by receiving every other rank's fingerprint
+    (communicator/fingerprints.py ``_post_fingerprints``: the data moves at once; the call
+    returns when all have arrived)."""
     p = prog.size
     if p < 2:
         return prog
