@@ -115,6 +115,12 @@ class _IdleEngine:
     def check(self, req, what):
         pass
 
+    def check_foreign(self, tag):
+        pass
+
+    def kick(self):
+        pass
+
     def sleep(self, flag):
         if flag and self.slept_at is None:
             self.slept_at = time.monotonic()
