@@ -56,8 +56,8 @@ def test_rate_shapes_goodput(netns_cluster):
     try:
         # Rates well under what the Python probe pushes through an unshaped veth on a busy
         # 2-core box (CI measured 715 Mbit/s there under a 1 Gbit/s cap): what is checked is
-        # the cap, not the machine's speed.
-        for rate, bits in (("200mbit", 200e6), ("40mbit", 40e6)):
+        # the cap, not the machine's speed (a loaded CI run reached only 165 Mbit/s under 200).
+        for rate, bits in (("100mbit", 100e6), ("40mbit", 40e6)):
             c.shape(rate)
             got = measure_goodput(c, "h1", "h2", seconds=2.0)
             # TCP payload over 1500-byte frames is 1448/1514 = 95.6% of the line rate
