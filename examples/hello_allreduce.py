@@ -1,7 +1,7 @@
 """Hello, allreduce: `minicomm run -n 4 examples/hello_allreduce.py` prints one line per rank.
 
 Each rank contributes [rank, rank, rank, rank]; the sum over ranks is 0+1+...+(n-1) everywhere.
-It runs unchanged under other launchers too (README, "Under torchrun, mpiexec, mpirun and srun"):
+It runs unchanged under other launchers too (docs/guide/launching.md):
 `mpiexec -n 4 python examples/hello_allreduce.py`, `mpirun -n 4 ...`, `srun -n 4 ...`,
 `torchrun --standalone --nproc-per-node 4 examples/hello_allreduce.py`.
 """

@@ -5,7 +5,7 @@ parameter server with ``--servers K``.
     minicomm run -n 4 examples/train_mlp.py --mode ring --steps 300
     minicomm run -n 4 examples/train_mlp.py --servers 2            # 2 servers + 2 workers, sync
     minicomm run -n 4 --servers 2 examples/train_mlp.py            # the same, roles from the launcher
-    minicomm run -n 4 examples/train_mlp.py --servers 1 --mode ps-async
+    minicomm run -n 3 examples/train_mlp.py --servers 1 --mode ps-async
     minicomm run -n 4 examples/train_mlp.py --servers 2 --mode ps-ssp --staleness 3
     python examples/train_mlp.py --workers 2 --servers 2           # no launcher: spawns locally
 

@@ -1,7 +1,8 @@
 """minicomm.torch: the torch.distributed backend "minicomm", through ``dist.*`` and stock DDP.
 
-Ranks are real processes (the ``spawn`` start method, as torch.multiprocessing uses); each check
-runs inside them and compares with a closed-form or single-process reference computed there.
+Ranks are real processes, forked from a fork server that imported torch once (a fresh
+interpreter per rank, as torch.multiprocessing's spawn gives, without torch's import per rank);
+each check runs inside them and compares with a closed-form or single-process reference computed there.
 Inputs are small integers so sums are exact in every dtype (bfloat16 included). torch is a CI
 extra: the tests skip without it locally and fail without it in CI (MINICOMM_REQUIRE_EXTRAS=1).
 """
@@ -57,6 +58,13 @@ def _entry(fn, rank, size, init, out, args):
         os._exit(1)
 
 
+def _rank_context():
+    """The fork server's context, torch preloaded (each rank skips torch's multi-second import)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "minicomm.torch"])
+    return ctx
+
+
 def run_ranks(tmp_path, fn, size, *args, init="file", timeout=180, allow_exit=()):
     """Run ``fn`` on ``size`` spawned ranks; returns their results by rank. A rank that raises
     fails the test with its traceback; ranks in ``allow_exit`` may die (result None)."""
@@ -64,7 +72,7 @@ def run_ranks(tmp_path, fn, size, *args, init="file", timeout=180, allow_exit=()
     out.mkdir()
     if init == "file":
         init = f"file://{tmp_path / f'store-{fn.__name__}-{size}'}"
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _rank_context()
     procs = [ctx.Process(target=_entry, args=(fn, r, size, init, str(out), args), daemon=True)
              for r in range(size)]
     for p in procs:
