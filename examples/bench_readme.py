@@ -1,6 +1,7 @@
-"""Regenerate the README's "Benchmarks" table and plot on this machine.
+"""Regenerate the collective benchmark tables and plot of docs/benchmarks.md on this machine.
 
     python examples/bench_readme.py [--out docs/bench] [--plot docs/bench.png] [--prefix CMD]
+    python examples/bench_readme.py --from docs/bench [--plot FILE]    # re-render, measure nothing
 
 Runs ``minicomm bench`` for each case of the table (with ``--peers mpi,gloo`` where mpi4py + MPICH
 and torch are installed: ``pip install -e '.[peers,plot]' torch``), keeps every run's JSON under
@@ -13,6 +14,12 @@ ratios compare figures of the same run (minicomm ``auto`` against the peer). The
 run allocates every library's buffers with ``comm.empty`` (``minicomm bench --registered``).
 The load average of the machine is printed with the table: on a shared machine, it says how far
 to trust the figures.
+
+Provenance: a measuring run writes ``provenance.json`` under ``--out`` (the machine's CPU model
+and cores, kernel, libc, the date, the git commit -- ``provenance.stamp`` -- the load average
+and the peak-memory figures) and prints it above the tables. ``--from DIR`` renders the tables
+and the plot again from the runs' JSON in DIR without measuring; its provenance line comes from
+DIR's ``provenance.json`` when there is one, else from the runs' own ``created`` dates.
 """
 from __future__ import annotations
 
@@ -24,6 +31,9 @@ import subprocess
 import sys
 
 from minicomm.tools.benchspec import format_size
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from provenance import describe, stamp  # noqa: E402
 
 ALGOS = "ring,rhd,tree,hier,auto"
 SWEEP = "8,64,512,4K,32K,256K,1M,4M,16M,64M"
@@ -181,7 +191,7 @@ def bandwidth_table(rows: dict) -> str:
     return "\n".join(lines)
 
 
-def table(rows: dict, mem: list) -> str:
+def table(rows: dict, mem) -> str:
     n2, n4, tcp = rows["allreduce-shm-n2"], rows["allreduce-shm-n4"], rows["allreduce-tcp-n2"]
     a4 = rows["all-shm-n4"]
     lines = ["| case | minicomm (auto) | MPICH | gloo | MPICH ÷ minicomm | gloo ÷ minicomm | target |",
@@ -209,10 +219,38 @@ def table(rows: dict, mem: list) -> str:
         lines.append(f"| auto ÷ best fixed algorithm, allreduce 8 B–64 MiB, n={n}, median of "
                      f"{len(runs)} runs | worst {row:.2f} ({row_at}); the pick alone: worst "
                      f"{pick:.2f} ({pick_at}) | | | | | within 1.10 |")
-    lines.append(f"| peak memory per rank above baseline, 64 MiB allreduce | "
-                 f"{max(mem):.2f}× the buffer (the input and the result themselves: 2×) "
-                 f"| | | | | ≤ 2× |")
+    if mem:                               # measured by this run (not with --from)
+        lines.append(f"| peak memory per rank above baseline, 64 MiB allreduce | "
+                     f"{max(mem):.2f}× the buffer (the input and the result themselves: 2×) "
+                     f"| | | | | ≤ 2× |")
     return "\n".join(lines)
+
+
+def load_runs(folder: str) -> dict:
+    """The rows of every run of ``RUNS`` recorded under ``folder`` (``--from``)."""
+    rows = {}
+    for name in RUNS:
+        with open(os.path.join(folder, f"{name}.json")) as f:
+            rows[name] = json.load(f)["rows"]
+    return rows
+
+
+def recorded_provenance(folder: str) -> str:
+    """The provenance line of a recorded set of runs: its provenance.json, else the span of the
+    runs' ``created`` dates and their hostname (runs made before provenance was recorded)."""
+    path = os.path.join(folder, "provenance.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            rec = json.load(f)
+        return (f"{describe(rec)}; load average after the runs "
+                f"{' '.join(f'{x:.2f}' for x in rec['load_average'])}")
+    metas = []
+    for name in RUNS:
+        with open(os.path.join(folder, f"{name}.json")) as f:
+            metas.append(json.load(f)["meta"])
+    dates = sorted(m["created"] for m in metas)
+    return (f"runs of {dates[0]} .. {dates[-1]} on host {metas[0].get('hostname', '?')} "
+            f"(no provenance.json: machine and commit as docs/benchmarks.md records them)")
 
 
 def main(argv=None) -> int:
@@ -220,13 +258,31 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="docs/bench", help="folder for the runs' JSON")
     ap.add_argument("--plot", default="docs/bench.png")
     ap.add_argument("--prefix", default="", help="command put before every bench run")
+    ap.add_argument("--from", dest="source", metavar="DIR",
+                    help="render the tables and plot from the runs recorded in DIR; no benchmark")
     a = ap.parse_args(argv)
-    rows = run_all(a.out, a.prefix)
+    if a.source:
+        rows, mem = load_runs(a.source), None
+        prov = os.path.join(a.source, "provenance.json")
+        if os.path.exists(prov):
+            with open(prov) as f:
+                mem = json.load(f).get("peak_memory_per_rank")
+        print(f"recorded: {recorded_provenance(a.source)}")
+    else:
+        record = stamp()                  # the commit and machine the runs are made with
+        rows = run_all(a.out, a.prefix)
     from minicomm.tools.bench import plot
     plot(rows["allreduce-shm-n2"] + rows["allreduce-shm-n4"] + rows["all-shm-n2"], a.plot,
          title="minicomm bench over shm: busbw vs size (out-of-place)")
-    mem = peak_memory()
-    print(f"load average after the runs: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if not a.source:
+        mem = peak_memory()
+        record.update(load_average=list(os.getloadavg()), peak_memory_per_rank=mem,
+                      runs=sorted(RUNS))
+        with open(os.path.join(a.out, "provenance.json"), "w") as f:
+            json.dump(record, f, indent=1)
+            f.write("\n")
+        print(f"measured: {describe(record)}")
+        print(f"load average after the runs: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(table(rows, mem))
     print()
     print(bandwidth_table(rows))

@@ -2,6 +2,15 @@
 
     import minicomm as mc
     results = mc.spawn(lambda comm: comm.allreduce(np.ones(4)), world_size=4)
+
+Start a world with ``spawn`` (threads or processes on this machine) or ``init`` (in a process
+that ``minicomm run``, mpiexec, srun or torchrun started); every rank gets a ``Communicator``.
+The names here: ``spawn``, ``init``, ``Communicator``, ``Work`` (an async operation's handle),
+``Status`` (what a receive matched), the errors (``CommError`` and its subclasses
+``CommTimeout``, ``MismatchError``, ``PeerFailure``, ``RMAError``, ``SpawnError``), the
+reduction ops ``SUM``, ``PROD``, ``MIN``, ``MAX``, ``AVG``, ``BAND``, ``BOR``, ``BXOR`` (the
+strings "sum", "prod", ...: ``op=`` takes either) and the wildcards ``ANY_SOURCE`` and
+``ANY_TAG`` of ``recv`` / ``irecv`` (both -1).
 """
 from .communicator import Communicator, Work
 from .errors import CommError, CommTimeout, MismatchError, PeerFailure, RMAError, SpawnError

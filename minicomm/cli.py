@@ -1,9 +1,45 @@
-"""The ``minicomm`` command: verify | run | bench | demo | sim."""
+"""The minicomm command: verify | run | bench | demo | sim.
+
+    minicomm verify                       # prove every algorithm correct and deadlock-free
+    minicomm run -n 4 script.py           # the script on 4 ranks of this machine
+    minicomm bench allreduce -n 2         # nccl-tests-style benchmark
+    minicomm demo                         # one MLP trained every way minicomm can train it
+    minicomm sim --advise --model-bytes 350GB --gpus 1024   # a modelled cluster
+
+Each command's own --help says more (minicomm sim --help, ...).
+"""
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+
+VERIFY_DESCRIPTION = """\
+Prove every algorithm of the matrix correct and deadlock-free: for every collective, every
+algorithm family and every world size 1..--max-world, the schedules of all ranks are run
+symbolically (every output element must come from the right input element of exactly the right
+ranks, each counted once; a send completes only when its receive is posted, so a schedule that
+passes cannot deadlock on any transport), over roots, element counts and, for hier, node maps.
+No processes talk: it runs on the CPU in a process pool (--jobs). Prints a
+collective x algorithm table of "ok N" (N schedule sets verified) or "FAIL", then the first
+failing case of each failing cell. Exit status 0 when every cell passes, 1 otherwise.
+"""
+
+RUN_DESCRIPTION = """\
+Launch a Python script on N ranks: -n N processes on this machine (each rank calls
+minicomm.init() to join), or over ssh on --hosts / --hostfile. Every line a rank prints is
+prefixed with [rank]; when one rank fails, the others are stopped and the exit status says why.
+
+    minicomm run -n 4 examples/hello_allreduce.py
+    minicomm run -n 4 --nodes 2 script.py            # two emulated nodes of 2 ranks
+    minicomm run --hosts a:4,b:4 script.py --its-own-args
+"""
+
+
+def plain(doc: str) -> str:
+    """A module docstring as help text: reStructuredText's ``literal`` marks dropped."""
+    return re.sub(r"``(.+?)``", r"\1", doc or "")
 
 
 def _cmd_verify(a) -> int:
@@ -60,22 +96,33 @@ def _cmd_sim(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="minicomm", description=__doc__)
+    p = argparse.ArgumentParser(prog="minicomm", description=plain(__doc__),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
-    v = sub.add_parser("verify", help="prove every algorithm correct and deadlock-free")
-    v.add_argument("--max-world", type=int, default=64)
+    from .algorithms import FAMILIES
+    from .schedule import COLLECTIVES
+    v = sub.add_parser("verify", help="prove every algorithm correct and deadlock-free",
+                       description=VERIFY_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    v.add_argument("--max-world", type=int, default=64, metavar="P",
+                   help="verify world sizes 1..P (default: %(default)s)")
     v.add_argument("--exhaustive", dest="all_roots", action="store_true",
                    help="every root, count and node map at every world size (slow)")
     v.add_argument("--jobs", type=int, default=0, help="processes (default: all cores)")
-    v.add_argument("--collective", action="append", help="restrict to these (repeatable)")
-    v.add_argument("--algorithm", action="append", help="restrict to these families (repeatable)")
+    v.add_argument("--collective", action="append", choices=COLLECTIVES, metavar="COLLECTIVE",
+                   help=f"restrict to this collective (repeatable): {', '.join(COLLECTIVES)}")
+    v.add_argument("--algorithm", action="append", choices=FAMILIES, metavar="FAMILY",
+                   help=f"restrict to this algorithm family (repeatable): {', '.join(FAMILIES)}")
     v.set_defaults(func=_cmd_verify)
 
-    r = sub.add_parser("run", help="launch a script on N ranks (this box, or hosts over ssh)")
+    r = sub.add_parser("run", help="launch a script on N ranks (this box, or hosts over ssh)",
+                       description=RUN_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("-n", type=int, help="number of ranks (with --hosts: cap on the total)")
     r.add_argument("--nodes", type=int, default=1, help="emulated nodes on this box")
-    r.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "rdma", "ub"])
+    r.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "rdma", "ub"],
+                   help="how ranks talk (auto: shared memory within a node, tcp between)")
     r.add_argument("--timeout", type=float, default=None, help="per-wait timeout (s)")
     r.add_argument("--servers", type=int, default=None,
                    help="parameter servers: ranks 0..K-1 serve in ps.start(comm), the rest are "
@@ -85,26 +132,29 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ssh-opts", default=None, help="extra ssh options (or MINICOMM_SSH)")
     r.add_argument("--python", default=None, help="interpreter on the hosts (default: this one)")
     r.add_argument("--master-addr", default=None, help="address the hosts reach this machine at")
-    r.add_argument("--connect-timeout", type=float, default=10.0)
-    r.add_argument("script", nargs=argparse.REMAINDER)
+    r.add_argument("--connect-timeout", type=float, default=10.0,
+                   help="seconds to wait for each ssh host to start its agent (default: 10)")
+    r.add_argument("script", nargs=argparse.REMAINDER,
+                   help="the Python script and its arguments (a module: -- -m module args)")
     r.set_defaults(func=_cmd_run)
 
     from .tools import bench
     b = sub.add_parser("bench", help="nccl-tests-style benchmark (with MPICH / gloo side by side)",
-                       description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=plain(bench.__doc__),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(b)
     b.set_defaults(func=_cmd_bench)
 
     from .tools import demo
     d = sub.add_parser("demo", help="train a numpy MLP every way: single, allreduce, parameter "
-                       "server", description=demo.__doc__,
+                       "server", description=plain(demo.__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(d)
     d.set_defaults(func=_cmd_demo)
 
     from .sim import cli as sim_cli
     s = sub.add_parser("sim", help="predict collectives and the parameter server on a modelled "
-                       "cluster", description=sim_cli.__doc__,
+                       "cluster", description=plain(sim_cli.__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     sim_cli.add_arguments(s)
     s.set_defaults(func=_cmd_sim)

@@ -5,7 +5,14 @@ import numpy as np
 
 
 class CommError(RuntimeError):
-    """Base class of every communication error minicomm raises."""
+    """Base class of every communication error minicomm raises.
+
+    After a collective's ``CommError`` the communicator is broken: every later call raises.
+
+    Examples:
+        >>> issubclass(mc.MismatchError, mc.CommError)
+        True
+    """
 
 
 class CommTimeout(CommError):
@@ -13,14 +20,25 @@ class CommTimeout(CommError):
 
 
 class PeerFailure(CommError):
-    """A peer died, closed its connection, or aborted the job. ``peer`` is that peer's rank
-    (in the world of the transport that saw it; communicators translate it to theirs) when known."""
+    """A peer died, closed its connection, or aborted the job.
+
+    Attributes:
+        peer (int | None): That peer's rank (in the world of the transport that saw it;
+            communicators translate it to theirs), when known.
+        clean (bool): The peer closed in order (finished), rather than crashing.
+    """
     peer = None
     clean = False     # the peer closed in order (finished), rather than crashing
 
 
 class MismatchError(CommError):
-    """Ranks disagree on a call: collective, op, shape, dtype, root or algorithm."""
+    """Ranks disagree on a call: collective, op, shape, dtype, root or algorithm.
+
+    The message names both calls and the rank that differs, and numbers the call the way the
+    user counts: "the user's collective call #N on this communicator" is the N-th collective
+    the program called on that communicator (the world's setup calls and internal exchanges
+    not counted); "sequence #" numbers are minicomm's internal message sequence.
+    """
 
 
 class RMAError(CommError):
@@ -30,7 +48,23 @@ class RMAError(CommError):
 class SpawnError(CommError):
     """Raised by ``spawn`` in the parent: one or more ranks failed.
 
-    ``failures`` is a list of (rank, traceback text), root cause first."""
+    The message gives the root cause first (the first rank to fail with its own error), then
+    the ranks that only lost a peer.
+
+    Args:
+        message (str): The summary.
+        failures (Sequence): ``(rank, traceback text)`` of every failed rank.
+
+    Attributes:
+        failures (list): ``(rank, traceback text)`` pairs, root cause first.
+
+    Examples:
+        >>> try:
+        ...     mc.spawn(lambda comm: 1 / comm.rank, world_size=2, transport="inproc")
+        ... except mc.SpawnError as e:
+        ...     print(e.failures[0][0], "ZeroDivisionError" in e.failures[0][1])
+        0 True
+    """
 
     def __init__(self, message: str, failures=()):
         super().__init__(message)

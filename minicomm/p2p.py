@@ -49,8 +49,25 @@ DEFAULT_BUFFER_BYTES = 64 << 20
 
 
 class Status:
-    """What a receive matched (mpi4py's ``Status``): ``source``, ``tag``, ``nbytes``, ``dtype``,
-    ``shape``. Pass one as ``status=`` to ``recv``; an ``irecv``'s ``Work.status`` is one."""
+    """What a receive matched (mpi4py's ``Status``).
+
+    Pass one as ``status=`` to ``recv``; an ``irecv``'s ``Work.status`` is one.
+
+    Attributes:
+        source (int): The rank the message came from.
+        tag (int): Its tag.
+        nbytes (int): Its payload's size in bytes.
+        dtype (np.dtype | None): Its dtype.
+        shape (tuple): Its shape.
+
+    Examples:
+        >>> w = comm.isend(np.zeros((2, 3), np.float32), dst=1 - comm.rank, tag=4)
+        >>> st = mc.Status()
+        >>> y = comm.recv(mc.ANY_SOURCE, tag=mc.ANY_TAG, status=st)
+        >>> w.wait()
+        >>> st.tag, st.nbytes, st.dtype, st.shape
+        (4, 24, dtype('float32'), (2, 3))
+    """
     __slots__ = ("source", "tag", "nbytes", "dtype", "shape")
 
     def __init__(self):

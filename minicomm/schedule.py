@@ -49,6 +49,20 @@ ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
 
 @dataclass(frozen=True)
 class Send:
+    """Send ``buf[offset:offset+count]`` to ``peer``.
+
+    The data sent is the buffer's content after the step's local ops.
+
+    Attributes:
+        peer (int): The destination rank.
+        buf (str): "in", "out" or "tmp".
+        offset (int): The first element.
+        count (int): The number of elements (0: a message that only orders).
+
+    Examples:
+        >>> Send(1, IN, 0, 4)
+        Send(peer=1, buf='in', offset=0, count=4)
+    """
     peer: int
     buf: str
     offset: int
@@ -57,6 +71,22 @@ class Send:
 
 @dataclass(frozen=True)
 class Recv:
+    """Receive from ``peer`` into ``buf[offset:offset+count]`` (``reduce=True``: ``buf op= msg``).
+
+    Messages of one ordered pair match in FIFO order, with the same count on both sides.
+
+    Attributes:
+        peer (int): The source rank.
+        buf (str): "out" or "tmp" (never "in").
+        offset (int): The first element.
+        count (int): The number of elements.
+        reduce (bool): Combine the message into the buffer with the call's op instead of
+            overwriting it.
+
+    Examples:
+        >>> Recv(0, TMP, 0, 4, reduce=True).reduce
+        True
+    """
     peer: int
     buf: str
     offset: int
@@ -66,6 +96,19 @@ class Recv:
 
 @dataclass(frozen=True)
 class Copy:
+    """Local ``dst[dst_offset:dst_offset+count] = src[src_offset:src_offset+count]``.
+
+    Attributes:
+        src (str): The buffer read.
+        src_offset (int): Its first element.
+        dst (str): The buffer written ("out" or "tmp").
+        dst_offset (int): Its first element.
+        count (int): The number of elements.
+
+    Examples:
+        >>> Copy(IN, 0, OUT, 4, 4).dst
+        'out'
+    """
     src: str
     src_offset: int
     dst: str
@@ -75,6 +118,19 @@ class Copy:
 
 @dataclass(frozen=True)
 class Reduce:
+    """Local ``dst[dst_offset:...] op= src[src_offset:...]`` with the call's op.
+
+    Attributes:
+        src (str): The buffer read.
+        src_offset (int): Its first element.
+        dst (str): The buffer combined into ("out" or "tmp").
+        dst_offset (int): Its first element.
+        count (int): The number of elements.
+
+    Examples:
+        >>> Reduce(TMP, 0, OUT, 0, 4).count
+        4
+    """
     src: str
     src_offset: int
     dst: str
@@ -88,7 +144,23 @@ Topology = Tuple[int, ...]   # node id of every rank, e.g. (0, 0, 1, 1)
 
 
 def buffer_counts(collective: str, size: int, count: int) -> Tuple[int, int]:
-    """(in_count, out_count) in elements for a collective with per-rank block ``count``."""
+    """(in_count, out_count) in elements for a collective with per-rank block ``count``.
+
+    Args:
+        collective (str): One of ``COLLECTIVES``.
+        size (int): The world size.
+        count (int): The per-rank block, in elements.
+
+    Returns:
+        (tuple): ``(in_count, out_count)`` (module doc: the buffer sizes per collective).
+
+    Raises:
+        KeyError: An unknown collective.
+
+    Examples:
+        >>> buffer_counts("allgather", 4, 10)
+        (10, 40)
+    """
     n, p = count, size
     return {
         "broadcast": (n, n), "reduce": (n, n), "allreduce": (n, n),
@@ -100,6 +172,26 @@ def buffer_counts(collective: str, size: int, count: int) -> Tuple[int, int]:
 
 @dataclass
 class Schedule:
+    """The program one rank runs for one collective call: its steps and buffer sizes.
+
+    Attributes:
+        collective (str): The collective.
+        algorithm (str): The family that built it.
+        rank (int): The rank that runs it.
+        size (int): The world size.
+        count (int): The per-rank block, in elements.
+        root (int): The root (0 for unrooted collectives).
+        steps (list): The steps, each a tuple of ops issued and completed together.
+        in_count (int): Elements of ``in``.
+        out_count (int): Elements of ``out``.
+        tmp_count (int): Elements of scratch ``tmp``.
+
+    Examples:
+        >>> from minicomm.algorithms import build_schedule
+        >>> s = build_schedule("allreduce", "ring", 0, 4, 8, 0)
+        >>> s.in_count, s.out_count, s.comm_steps
+        (8, 8, 6)
+    """
     collective: str
     algorithm: str
     rank: int
@@ -113,10 +205,25 @@ class Schedule:
 
     @property
     def comm_steps(self) -> int:
-        """Number of steps that communicate (the 'rounds' of the algorithm's latency term)."""
+        """Number of steps that communicate (the 'rounds' of the algorithm's latency term).
+
+        Returns:
+            (int): The steps with a Send or a Recv.
+        """
         return sum(1 for s in self.steps if any(isinstance(o, (Send, Recv)) for o in s))
 
     def summary(self) -> str:
+        """A one-line description: algorithm, collective, rank, count, root and step counts.
+
+        Returns:
+            (str): The summary.
+
+        Examples:
+            >>> b = ScheduleBuilder("barrier", "ring", rank=0, size=2, count=0)
+            >>> b.step(Send(1, IN, 0, 0), Recv(1, OUT, 0, 0))
+            >>> b.build().summary()
+            'ring barrier rank 0/2 count=0 root=0: 1 steps, 1 communicating, tmp=0'
+        """
         return (f"{self.algorithm} {self.collective} rank {self.rank}/{self.size} "
                 f"count={self.count} root={self.root}: {len(self.steps)} steps, "
                 f"{self.comm_steps} communicating, tmp={self.tmp_count}")
@@ -125,10 +232,21 @@ class Schedule:
 class ScheduleBuilder:
     """Convenience for algorithm writers: collects steps and scratch space.
 
-    >>> b = ScheduleBuilder("allreduce", "ring", rank, size, count, root)
-    >>> b.step(Send(...), Recv(...))
-    >>> off = b.alloc_tmp(k)          # a fresh region of k elements in ``tmp``
-    >>> return b.build()
+    Args:
+        collective (str): One of ``COLLECTIVES``.
+        algorithm (str): The family's name.
+        rank (int): The rank the schedule is for.
+        size (int): The world size.
+        count (int): The per-rank block, in elements.
+        root (int): The root of a rooted collective.
+
+    Examples:
+        >>> b = ScheduleBuilder("allreduce", "ring", rank=0, size=2, count=4)
+        >>> off = b.alloc_tmp(4)                   # a fresh region of 4 elements in ``tmp``
+        >>> b.step(Copy(IN, 0, OUT, 0, 4), Send(1, IN, 0, 4), Recv(1, TMP, off, 4))
+        >>> b.step(Reduce(TMP, off, OUT, 0, 4))
+        >>> b.build().summary()
+        'ring allreduce rank 0/2 count=4 root=0: 2 steps, 1 communicating, tmp=4'
     """
 
     def __init__(self, collective: str, algorithm: str, rank: int, size: int, count: int,
@@ -140,21 +258,54 @@ class ScheduleBuilder:
         self.tmp_count = 0
 
     def step(self, *ops: Op) -> None:
-        """Append one step; ops with count 0 are kept only if they carry ordering (Send/Recv)."""
+        """Append one step; ops with count 0 are kept only if they carry ordering (Send/Recv).
+
+        Args:
+            *ops (Op): The step's ops, issued together and completed together.
+
+        Examples:
+            >>> b = ScheduleBuilder("allreduce", "ring", rank=0, size=2, count=4)
+            >>> b.step(Copy(IN, 0, OUT, 0, 0))         # nothing to do: no step
+            >>> len(b.steps)
+            0
+        """
         kept = tuple(o for o in ops if isinstance(o, (Send, Recv)) or o.count > 0)
         if kept:
             self.steps.append(kept)
 
     def extend(self, steps: Iterable[Step]) -> None:
+        """Append steps (each through ``step``), e.g. those ``embed`` made.
+
+        Args:
+            steps (Iterable[Step]): The steps.
+        """
         for s in steps:
             self.step(*s)
 
     def alloc_tmp(self, count: int) -> int:
+        """Reserve ``count`` fresh elements of ``tmp``.
+
+        Args:
+            count (int): The number of elements.
+
+        Returns:
+            (int): The region's offset in ``tmp``.
+
+        Examples:
+            >>> b = ScheduleBuilder("allreduce", "ring", rank=0, size=2, count=4)
+            >>> b.alloc_tmp(4), b.alloc_tmp(2), b.tmp_count
+            (0, 4, 6)
+        """
         off = self.tmp_count
         self.tmp_count += count
         return off
 
     def build(self) -> Schedule:
+        """The ``Schedule`` of the steps so far.
+
+        Returns:
+            (Schedule): The schedule.
+        """
         return Schedule(self.collective, self.algorithm, self.rank, self.size, self.count,
                         self.root, self.steps, self.in_count, self.out_count, self.tmp_count)
 
@@ -165,9 +316,22 @@ BufMap = Dict[str, Tuple[str, int]]   # sub-schedule buffer name -> (outer buffe
 def embed(sub: Schedule, group: Sequence[int], bufmap: BufMap) -> List[Step]:
     """Translate a schedule built for a sub-group into steps of the enclosing schedule.
 
-    ``group[i]`` is the outer rank of sub-rank i; ``bufmap`` maps every buffer the sub-schedule
-    uses to (outer buffer name, base offset). This is how hierarchical algorithms reuse the flat
-    families on a node or on the node leaders: the verifier then checks the composition as a whole.
+    This is how hierarchical algorithms reuse the flat families on a node or on the node
+    leaders: the verifier then checks the composition as a whole.
+
+    Args:
+        sub (Schedule): The sub-group's schedule.
+        group (Sequence[int]): ``group[i]`` is the outer rank of sub-rank i.
+        bufmap (BufMap): Every buffer the sub-schedule uses -> (outer buffer name, base offset).
+
+    Returns:
+        (list): The steps, in the enclosing schedule's ranks and buffers.
+
+    Examples:
+        >>> sub = ScheduleBuilder("broadcast", "tree", rank=0, size=2, count=3)
+        >>> sub.step(Send(1, IN, 0, 3))
+        >>> embed(sub.build(), group=[0, 2], bufmap={IN: (OUT, 3)})
+        [(Send(peer=2, buf='out', offset=3, count=3),)]
     """
     def mb(name: str, off: int) -> Tuple[str, int]:
         outer, base = bufmap[name]
@@ -192,8 +356,22 @@ def embed(sub: Schedule, group: Sequence[int], bufmap: BufMap) -> List[Step]:
 
 
 def chunk_bounds(count: int, parts: int) -> List[Tuple[int, int]]:
-    """Split ``count`` elements into ``parts`` contiguous (offset, length) blocks, sizes differing
-    by at most one (the first ``count % parts`` blocks are one longer). Works for count < parts."""
+    """Split ``count`` elements into ``parts`` contiguous (offset, length) blocks.
+
+    Sizes differ by at most one (the first ``count % parts`` blocks are one longer). Works for
+    count < parts.
+
+    Args:
+        count (int): The number of elements.
+        parts (int): The number of blocks.
+
+    Returns:
+        (list): ``parts`` pairs ``(offset, length)``.
+
+    Examples:
+        >>> chunk_bounds(10, 3)
+        [(0, 4), (4, 3), (7, 3)]
+    """
     q, r = divmod(count, parts)
     out, off = [], 0
     for i in range(parts):
@@ -205,6 +383,22 @@ def chunk_bounds(count: int, parts: int) -> List[Tuple[int, int]]:
 
 @dataclass(frozen=True)
 class ScheduleKey:
+    """What identifies a schedule: the key of the schedule caches.
+
+    Attributes:
+        collective (str): The collective.
+        algorithm (str): The family.
+        rank (int): The rank.
+        size (int): The world size.
+        count (int): The per-rank block, in elements.
+        root (int): The root.
+        topology (tuple | None): The node of every rank (hierarchical families only).
+
+    Examples:
+        >>> key = ScheduleKey("allreduce", "ring", rank=0, size=4, count=1024, root=0)
+        >>> key == ScheduleKey("allreduce", "ring", 0, 4, 1024, 0)
+        True
+    """
     collective: str
     algorithm: str
     rank: int
@@ -215,8 +409,25 @@ class ScheduleKey:
 
 
 def busbw_factor(collective: str, n: int) -> float:
-    """nccl-tests' bus-bandwidth factors: busbw = algbw x factor (the bytes a link-bound ring
-    would move per byte of the call; used by ``minicomm bench`` and ``minicomm sim``)."""
+    """nccl-tests' bus-bandwidth factor: busbw = algbw x factor.
+
+    The bytes a link-bound ring would move per byte of the call; ``minicomm bench`` and
+    ``minicomm sim`` use it.
+
+    Args:
+        collective (str): One of ``COLLECTIVES``.
+        n (int): The world size.
+
+    Returns:
+        (float): The factor (allreduce: 2(n-1)/n).
+
+    Raises:
+        ValueError: A world size below 1, or an unknown collective.
+
+    Examples:
+        >>> busbw_factor("allreduce", 4)
+        1.5
+    """
     if n <= 0:
         raise ValueError("world size must be positive")
     if collective == "allreduce":

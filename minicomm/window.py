@@ -87,7 +87,28 @@ def _apply(op: str, target: np.ndarray, src: np.ndarray) -> None:
 
 
 class Window:
-    """An RMA window of one communicator (module doc); create with ``comm.window(array)``."""
+    """An RMA window of one communicator (module doc); create with ``comm.window(array)``.
+
+    Operations on a target need an access epoch: after ``fence()`` (active target, collective)
+    or between ``lock(target)`` and ``unlock(target)`` (passive target). Offsets and counts are
+    in elements of the window's dtype.
+
+    Attributes:
+        local (np.ndarray): This rank's window memory, shaped like the array it exposes.
+        dtype (np.dtype): The dtype every rank's window holds.
+        rank (int): This rank in the communicator.
+        size (int): The number of ranks.
+        comm (Communicator): The communicator the window belongs to.
+
+    Examples:
+        >>> w = comm.window(np.zeros(4))
+        >>> w.fence()
+        >>> w.accumulate(np.ones(4), target=0)         # every rank adds into rank 0's
+        >>> w.fence()
+        >>> w.get(0)
+        array([2., 2., 2., 2.])
+        >>> w.free()
+    """
 
     def __init__(self, comm, array):
         backend = comm.caps.one_sided
@@ -199,6 +220,30 @@ class Window:
 
     # ------------------------------------------------------------------ data movement
     def put(self, data, target: int, offset: int = 0) -> None:
+        """Write ``data`` into the target's window at ``offset``.
+
+        Complete at the target after the next ``fence()``, ``flush(target)`` or ``unlock(target)``.
+
+        Args:
+            data (np.ndarray): The elements to write (cast to the window's dtype when that is safe).
+            target (int): The rank whose window is accessed.
+            offset (int): The first element (of the window's dtype) at the target.
+
+        Returns:
+            (None): Once ``data`` may be reused.
+
+        Raises:
+            RMAError: Outside an access epoch (no ``fence()`` and no ``lock(target)``), elements
+                outside the target's window, or a freed window; before anything moves.
+            TypeError: Data of a dtype that does not fit the window, or an offset not an int.
+            ValueError: A target that is not a rank of the communicator.
+
+        Examples:
+            >>> for t in range(comm.size): win.put(np.array([comm.rank + 1.0]), t, offset=comm.rank)
+            >>> win.fence()                                # every put has landed, on every rank
+            >>> win.local[:2]
+            array([1., 2.])
+        """
         t, ch = self._begin(target, "put")
         src = self._data(data, "put")
         boff = self._span(t, offset, src.size, "put")
@@ -206,6 +251,28 @@ class Window:
             ch.put(boff, src.view(_U8))
 
     def get(self, target: int, offset: int = 0, count: Optional[int] = None) -> np.ndarray:
+        """Read ``count`` elements of the target's window from ``offset``.
+
+        Args:
+            target (int): The rank whose window is accessed.
+            offset (int): The first element (of the window's dtype) at the target.
+            count (int | None): The number of elements; None: to the end of the target's window.
+
+        Returns:
+            (np.ndarray): A new array, complete on return.
+
+        Raises:
+            RMAError: Outside an access epoch (no ``fence()`` and no ``lock(target)``), elements
+                outside the target's window, or a freed window; before anything moves.
+            TypeError: An offset that is not an int.
+            ValueError: A target that is not a rank of the communicator.
+
+        Examples:
+            >>> if comm.rank == 0: win.local[:3] = [1, 2, 3]
+            >>> win.fence()
+            >>> win.get(0, offset=0, count=3)
+            array([1., 2., 3.])
+        """
         t, ch = self._begin(target, "get")
         if count is None:
             self._span(t, offset, 0, "get")
@@ -217,6 +284,32 @@ class Window:
         return out
 
     def accumulate(self, data, target: int, offset: int = 0, op="sum") -> None:
+        """Combine ``data`` into the target's window with ``op``, element-wise atomically.
+
+        Atomic per element with respect to other accumulates with the same op (module doc:
+        Atomicity).
+
+        Args:
+            data (np.ndarray): The elements to combine (cast to the window's dtype when safe).
+            target (int): The rank whose window is accessed.
+            offset (int): The first element (of the window's dtype) at the target.
+            op (str): "sum", "prod", "min", "max", "band", "bor", "bxor" or "replace".
+
+        Returns:
+            (None): Complete at the target after the next ``fence()``, ``flush`` or ``unlock``.
+
+        Raises:
+            RMAError: Outside an access epoch (no ``fence()`` and no ``lock(target)``), elements
+                outside the target's window, or a freed window; before anything moves.
+            TypeError: Data that does not fit the window, or an op the dtype has no meaning for.
+            ValueError: An unknown op, or a target that is not a rank of the communicator.
+
+        Examples:
+            >>> win.accumulate(np.ones(2), target=0, offset=0)      # both ranks add into rank 0's
+            >>> win.fence()
+            >>> win.get(0, count=2)
+            array([2., 2.])
+        """
         t, ch = self._begin(target, "accumulate")
         op = self._op(op, ACC_OPS, "accumulate")
         src = self._data(data, "accumulate")
@@ -225,6 +318,30 @@ class Window:
             self._rmw(t, ch, boff, src, op, False)
 
     def get_accumulate(self, data, target: int, offset: int = 0, op="sum") -> np.ndarray:
+        """Combine ``data`` into the target's window with ``op`` and return what was there.
+
+        Args:
+            data (np.ndarray): The elements to combine (cast to the window's dtype when safe).
+            target (int): The rank whose window is accessed.
+            offset (int): The first element (of the window's dtype) at the target.
+            op (str): As for ``accumulate``, or "no_op" (an atomic read).
+
+        Returns:
+            (np.ndarray): The target's elements before the operation, one per element of ``data``.
+
+        Raises:
+            RMAError: Outside an access epoch (no ``fence()`` and no ``lock(target)``), elements
+                outside the target's window, or a freed window; before anything moves.
+            TypeError: Data that does not fit the window, or an op the dtype has no meaning for.
+            ValueError: An unknown op, or a target that is not a rank of the communicator.
+
+        Examples:
+            >>> win.get_accumulate(np.array([5.0]), target=0, offset=comm.rank)
+            array([0.])
+            >>> win.fence()
+            >>> win.get(0, count=2)
+            array([5., 5.])
+        """
         t, ch = self._begin(target, "get_accumulate")
         op = self._op(op, FOP_OPS, "get_accumulate")
         src = self._data(data, "get_accumulate")
@@ -234,6 +351,30 @@ class Window:
         return self._rmw(t, ch, boff, src, op, True)
 
     def fetch_and_op(self, value, target: int, offset: int = 0, op="sum"):
+        """Combine ``value`` into one element of the target's window; return the old one.
+
+        The counter / ticket primitive: concurrent calls with the same op are atomic.
+
+        Args:
+            value (int | float): The operand.
+            target (int): The rank whose window is accessed.
+            offset (int): The first element (of the window's dtype) at the target.
+            op (str): As for ``accumulate``, or "no_op" (an atomic read).
+
+        Returns:
+            (np.generic): The element before the operation, a numpy scalar of the window's dtype.
+
+        Raises:
+            RMAError: Outside an access epoch (no ``fence()`` and no ``lock(target)``), elements
+                outside the target's window, or a freed window; before anything moves.
+            TypeError: A value that does not fit the window, or an op the dtype has no meaning for.
+            ValueError: More than one value, an unknown op, or a bad target.
+
+        Examples:
+            >>> ticket = win.fetch_and_op(1.0, target=0, offset=7)   # each rank draws one
+            >>> sorted(comm.allgather_object(int(ticket)))
+            [0, 1]
+        """
         # The hot case (a counter, a ticket): a shm target, a valid op and offset, an open
         # epoch -- one critical section on a typed view of the target, nothing else.
         if type(target) is int and 0 <= target < self.size and op in self._valid_ops \
@@ -276,6 +417,33 @@ class Window:
         return self._rmw(t, ch, boff, src, op, True)[0]
 
     def compare_and_swap(self, value, compare, target: int, offset: int = 0):
+        """Write ``value`` into one element of the target's window if it equals ``compare``.
+
+        Atomic; integer and bool windows only (as MPI).
+
+        Args:
+            value (int): The new value.
+            compare (int): The value the element must hold for the swap to happen.
+            target (int): The rank whose window is accessed.
+            offset (int): The first element (of the window's dtype) at the target.
+
+        Returns:
+            (np.generic): The element before the call (the swap happened if it equals ``compare``).
+
+        Raises:
+            RMAError: Outside an access epoch (no ``fence()`` and no ``lock(target)``), elements
+                outside the target's window, or a freed window; before anything moves.
+            TypeError: A window that is not of an integer or bool dtype.
+            ValueError: More than one value, or a bad target.
+
+        Examples:
+            >>> flag = comm.window(np.zeros(1, dtype=np.int64))
+            >>> flag.fence()
+            >>> won = flag.compare_and_swap(comm.rank + 1, 0, target=0) == 0
+            >>> sorted(comm.allgather_object(bool(won)))                # exactly one rank wins
+            [False, True]
+            >>> flag.free()
+        """
         # the hot case, as fetch_and_op's: an integer shm target, Python ints, an open epoch
         if type(target) is int and 0 <= target < self.size and type(value) is int \
                 and type(compare) is int and self.dtype.kind in "iu" \
@@ -384,7 +552,21 @@ class Window:
 
     # ------------------------------------------------------------------ synchronization
     def fence(self) -> None:
-        """Complete every operation of the epoch on every rank, then open the next (collective)."""
+        """Complete every operation of the epoch on every rank, then open the next (collective).
+
+        Returns:
+            (None): Once every rank's operations issued before it have completed everywhere.
+
+        Raises:
+            RMAError: The window is freed, or this rank holds passive-target locks.
+            CommError: On failure of the barrier (``CommTimeout``, ``PeerFailure``).
+
+        Examples:
+            >>> win.put(np.array([7.0]), target=0, offset=comm.rank)
+            >>> win.fence()
+            >>> win.get(0, count=2)
+            array([7., 7.])
+        """
         if self._freed:
             raise RMAError("win.fence: the window is freed")
         if self._locks:
@@ -396,6 +578,31 @@ class Window:
         self._fence = True
 
     def lock(self, target: int, exclusive: bool = True) -> None:
+        """Open a passive-target access epoch on ``target``; the target makes no call.
+
+        A contended lock is polled with exponential backoff until ``comm.timeout``.
+
+        Args:
+            target (int): The rank whose window is accessed.
+            exclusive (bool): Exclude every other lock on the target (True), or share it with other
+                shared locks (False).
+
+        Returns:
+            (None): Once the lock is held.
+
+        Raises:
+            RMAError: This rank already holds a lock on ``target``, or the window is freed.
+            ValueError: A target that is not a rank of the communicator.
+            CommTimeout: The lock was still held by another rank after ``comm.timeout``.
+
+        Examples:
+            >>> win.lock(0)                                  # exclusive: one rank at a time
+            >>> win.put(win.get(0, offset=6, count=1) + 1, 0, offset=6)
+            >>> win.unlock(0)
+            >>> win.fence()
+            >>> win.get(0, offset=6, count=1)
+            array([2.])
+        """
         t = self._target(target, "lock")
         if t in self._locks:
             raise RMAError(f"win.lock: rank {t} is already locked by this rank (unlock it first)")
@@ -412,6 +619,26 @@ class Window:
         self._locks[t] = "exclusive" if exclusive else "shared"
 
     def unlock(self, target: int) -> None:
+        """Complete this rank's operations at ``target`` and release its lock there.
+
+        Args:
+            target (int): The rank whose window is accessed.
+
+        Returns:
+            (None): Once the operations are complete at the target.
+
+        Raises:
+            RMAError: This rank holds no lock on ``target``, or the window is freed.
+            ValueError: A target that is not a rank of the communicator.
+
+        Examples:
+            >>> win.lock(1, exclusive=False)
+            >>> win.accumulate(np.array([1.0]), target=1, offset=5)
+            >>> win.unlock(1)
+            >>> win.fence()
+            >>> win.get(1, offset=5, count=1)
+            array([2.])
+        """
         t = self._target(target, "unlock")
         kind = self._locks.get(t)
         if kind is None:
@@ -424,10 +651,40 @@ class Window:
             ch.fadd(_LOCK, -EXCL if kind == "exclusive" else -1)
 
     def flush(self, target: int) -> None:
+        """Complete this rank's operations at ``target``, within the epoch.
+
+        Args:
+            target (int): The rank whose window is accessed.
+
+        Returns:
+            (None): Once they are complete at the target.
+
+        Raises:
+            RMAError: Outside an access epoch, or a freed window.
+            ValueError: A target that is not a rank of the communicator.
+
+        Examples:
+            >>> win.lock(0, exclusive=False)
+            >>> win.accumulate(np.array([1.0]), target=0, offset=4)
+            >>> win.flush(0)                                 # at rank 0 now; the lock is still held
+            >>> win.unlock(0)
+        """
         t, ch = self._begin(target, "flush")
         ch.flush()
 
     def flush_all(self) -> None:
+        """Complete this rank's operations at every target, within the epoch.
+
+        Returns:
+            (None): Once they are complete everywhere.
+
+        Raises:
+            RMAError: The window is freed.
+
+        Examples:
+            >>> win.put(np.array([3.0]), target=1 - comm.rank, offset=3)
+            >>> win.flush_all()
+        """
         if self._freed:
             raise RMAError("win.flush_all: the window is freed")
         for ch in self._channels:
@@ -435,7 +692,27 @@ class Window:
 
     # ------------------------------------------------------------------ lifetime
     def free(self) -> None:
-        """Collective: complete everything, copy the memory back into ``array``, release."""
+        """Complete everything, copy the memory back into ``array``, release (collective).
+
+        The array the window was made from receives the final contents when it is a writable numpy
+        array. A second free does nothing; a window is also a context manager that frees on exit.
+
+        Returns:
+            (None): Once every rank has stopped accessing every window.
+
+        Raises:
+            RMAError: This rank holds passive-target locks.
+            CommError: On failure of the barrier (``CommTimeout``, ``PeerFailure``).
+
+        Examples:
+            >>> a = np.zeros(2)
+            >>> with comm.window(a) as w:
+            ...     w.fence()
+            ...     w.accumulate(np.ones(2), target=0)
+            ...     w.fence()
+            >>> a if comm.rank == 0 else a + 2   # the sum at rank 0; rank 1's stays zeros
+            array([2., 2.])
+        """
         if self._freed:
             return
         if self._locks:

@@ -8,6 +8,7 @@ itself names the other side). Runs with the default ``check="header"`` (the fing
 of MINICOMM_DEBUG=detail is not what is tested here), on inproc threads for the whole matrix and
 on shm processes for a slice.
 """
+import re
 import threading
 import time
 
@@ -331,3 +332,46 @@ def test_an_abort_notice_queued_behind_a_send_survives_the_cancellation(transpor
                    timeout=60)[2]
     assert got is not None and got[0] in ("MismatchError", "PeerFailure"), got
     assert "rank 0" in got[1], got
+
+
+# The call number a MismatchError names counts the user's collectives on that communicator from
+# 1: not the world's setup calls (link agreement), not the extra internal exchanges of rooted
+# calls (fingerprints) or of calls made of calls (split, object collectives).
+USER_CALL = "the user's collective call #{} on this communicator"
+
+
+def _error_text(fn):
+    try:
+        fn()
+    except mc.CommError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _first_call_mismatch(comm):
+    return [_error_text(lambda: comm.allreduce(np.ones(4 + comm.rank)))]
+
+
+def _later_calls_mismatch(comm):
+    sub = comm.split(0)                                       # world: the user's call #1
+    comm.broadcast(np.ones(3), root=0)                        # #2 (rooted: two exchanges)
+    sub.barrier()                                             # sub: #1
+    sub.broadcast_object({"a": 1})                            # #2 (two broadcasts inside)
+    in_sub = _error_text(lambda: sub.allreduce(np.ones(4 + sub.rank)))                  # #3
+    in_world = _error_text(lambda: comm.allreduce(np.ones(4 + comm.rank), async_op=True).wait())
+    return [in_world, in_sub]                                 # world #3, run by its worker
+
+
+@pytest.mark.parametrize("transport", ["inproc", "shm"])
+@pytest.mark.parametrize("job,numbers", [(_first_call_mismatch, [1]),
+                                         (_later_calls_mismatch, [3, 3])],
+                         ids=["first-call", "later-calls"])
+def test_a_mismatch_names_the_users_call_number(transport, job, numbers):
+    out = mc.spawn(job, 2, transport=transport, timeout=TIMEOUT)
+    for r, texts in enumerate(out):
+        for text, n in zip(texts, numbers):
+            assert text is not None and text.startswith(("MismatchError", "PeerFailure")), \
+                (r, text)
+            assert USER_CALL.format(n) in text, (r, text)
+            # every call number the message shows is the user's; internal ones say "sequence"
+            assert re.findall(r"call #\d+", text) == [f"call #{n}"], (r, text)

@@ -309,9 +309,9 @@ def test_dgx_h100_128_nodes_hier_wins_large_rhd_and_tree_win_small():
     assert time_of["rhd", 4096] < time_of["ring", 4096] / 10
     assert time_of["tree", 4096] < time_of["ring", 4096] / 10
     text = sim_cli.render_table(t, "allreduce", res, ["ring", "tree", "rhd", "hier"])
-    assert "# winner changes: hier -> rhd between 4K and 64K; rhd -> hier between 64K and 1G" \
-        in text
-    assert "tree stops beating ring between 64K and 1G" in text
+    assert "# winner changes: hier -> rhd between 4 KiB and 64 KiB; rhd -> hier between 64 KiB " \
+        "and 1 GiB" in text
+    assert "tree stops beating ring between 64 KiB and 1 GiB" in text
 
 
 # ------------------------------------------------------------------------- parameter server
@@ -339,7 +339,7 @@ def test_allreduce_matches_byteps_allreduce_closed_form():
 
 def test_ps_cli_prices_both_ways():
     out = _run_cli(["--topology", "dgx-h100", "--nodes", "4", "--architecture", "ps",
-                    "--servers", "2,4", "--model-bytes", "256M", "--json"])
+                    "--servers", "2,4", "--model-bytes", "256MB", "--json"])
     rows = json.loads(out)
     archs = {r["architecture"] for r in rows}
     assert archs == {"allreduce", "ps", "ps-colocated"}
@@ -374,8 +374,8 @@ def _run_cli(argv):
 def test_sizes_parse_like_nccl_tests():
     assert sim_cli.parse_sizes("1K:8K") == [1024, 2048, 4096, 8192]
     assert sim_cli.parse_sizes("1K,4096,1M,1G") == [1024, 4096, 1 << 20, 1 << 30]
-    assert sim_cli.parse_size("350G", decimal=True) == 350_000_000_000
-    assert sim_cli.parse_size("1GiB", decimal=True) == 1 << 30
+    assert sim_cli.parse_size("350GB") == 350_000_000_000     # GB: powers of 1000
+    assert sim_cli.parse_size("1GiB") == sim_cli.parse_size("1G") == 1 << 30
     for bad in ("", "1X", "-4", "8K:1K", "1.5"):
         with pytest.raises(ValueError):
             sim_cli.parse_sizes(bad)

@@ -83,8 +83,18 @@ class CallPlans:
 
     @property
     def link_model(self) -> LinkModel:
-        """Returns the α-β link model ``algorithm="auto"`` chooses by; setting it drops every
-        choice made under the old one. Raises nothing. ``>>> model = comm.link_model``"""
+        """The α-β link model ``algorithm="auto"`` chooses by.
+
+        Setting it drops every choice made under the old one (a new world sets the model its
+        ranks agreed on, from measured or cached link parameters).
+
+        Returns:
+            (LinkModel): The model in use.
+
+        Examples:
+            >>> model = comm.link_model
+            >>> comm.link_model = model
+        """
         return self._link_model
 
     @link_model.setter

@@ -90,6 +90,7 @@ class Collectives:
             # the thread that finds the communicator idle runs the compiled plan itself: the
             # general path's steps with nothing recomputed (docs/decisions/small-message-path.md)
             self._busy_thread, self._depth, self.busy_with = get_ident(), 1, name
+            self._user_calls += 1
             try:
                 self._seq = seq = self._seq + 1
                 if inb is outb and not c.alias0:
@@ -160,11 +161,32 @@ class Collectives:
     def allreduce(self, x, op="sum", algorithm="auto", out=None, async_op=False):
         """Reduce ``x`` elementwise over all ranks with ``op``; every rank gets the result.
 
-        Args: x, op (sum prod min max avg band bor bxor; avg on floating / complex only),
-        algorithm, out, async_op as in the module doc.
-        Returns the result (a new array of x's shape, or ``out``); a ``Work`` with async_op.
-        Raises: TypeError / ValueError (bad op, dtype or out) before any message; CommError.
-        >>> y = comm.allreduce(np.ones(4))
+        Args:
+            x (np.ndarray): A numeric or bool array (every rank the same shape and dtype).
+            op (str): "sum", "prod", "min", "max", "avg", "band", "bor" or "bxor" (avg on
+                floating and complex dtypes only; the bitwise ops on integer and bool ones).
+            algorithm (str): "auto" (the α-β model's choice, or ``MINICOMM_ALGO``) or a family:
+                "ring", "tree", "rhd" or "hier".
+            out (np.ndarray | None): The result array, checked against the result's shape and
+                dtype; it may be ``x`` itself (in place).
+            async_op (bool): Return a ``Work`` at once; its ``wait()`` returns the result.
+
+        Returns:
+            (np.ndarray | Work): The result (a new array of ``x``'s shape, or ``out``); a ``Work``
+                with ``async_op``.
+
+        Raises:
+            TypeError: A non-numeric ``x``, an op the dtype has no meaning for, or a bad ``out``,
+                before any message moves.
+            ValueError: An unknown op or algorithm, before any message moves.
+            CommError: On failure (``MismatchError``, ``CommTimeout``, ``PeerFailure``); the
+                communicator is broken from then on.
+
+        Examples:
+            >>> comm.allreduce(np.ones(4))                  # 2 ranks
+            array([2., 2., 2., 2.])
+            >>> comm.allreduce(np.array([comm.rank]), op="max")
+            array([1])
         """
         if not async_op:
             y = self._fast("allreduce", op, algorithm, 0, x, out)
@@ -175,10 +197,31 @@ class Collectives:
     def reduce(self, x, root=0, op="sum", algorithm="auto", out=None, async_op=False):
         """Reduce ``x`` elementwise over all ranks with ``op`` into rank ``root``.
 
-        Args: x, root (a rank), op (as allreduce), algorithm, out (the root's), async_op.
-        Returns the result at the root (a new array, or ``out``), None elsewhere; a ``Work``
-        with async_op. Raises: TypeError / ValueError (bad root, op, dtype, out); CommError.
-        >>> y = comm.reduce(np.ones(4), root=0, op="max")
+        Args:
+            x (np.ndarray): A numeric or bool array (every rank the same shape and dtype).
+            root (int): The rank that gets the result.
+            op (str): "sum", "prod", "min", "max", "avg", "band", "bor" or "bxor" (avg on
+                floating and complex dtypes only; the bitwise ops on integer and bool ones).
+            algorithm (str): "auto" (the α-β model's choice, or ``MINICOMM_ALGO``) or a family:
+                "ring", "tree", "rhd" or "hier".
+            out (np.ndarray | None): The root's result array (checked against the result's shape and
+                dtype; it may be ``x``); ignored elsewhere.
+            async_op (bool): Return a ``Work`` at once; its ``wait()`` returns the result.
+
+        Returns:
+            (np.ndarray | None | Work): The result at the root (a new array, or ``out``), None
+                elsewhere; a ``Work`` with ``async_op``.
+
+        Raises:
+            TypeError: A non-numeric ``x``, an op the dtype has no meaning for, or a bad ``out``.
+            ValueError: A root outside the communicator, an unknown op or algorithm.
+            CommError: On failure (``MismatchError``, ``CommTimeout``, ``PeerFailure``); the
+                communicator is broken from then on.
+
+        Examples:
+            >>> y = comm.reduce(np.arange(3) * (comm.rank + 1), root=0)     # 2 ranks
+            >>> y.tolist() == [0, 3, 6] if comm.rank == 0 else y is None
+            True
         """
         if not async_op:
             y = self._fast("reduce", op, algorithm, root, x, out)
@@ -189,10 +232,29 @@ class Collectives:
     def broadcast(self, x, root=0, algorithm="auto", out=None, async_op=False):
         """Every rank gets the root's ``x``.
 
-        Args: x (every rank passes the same shape and dtype), root (a rank), algorithm, out,
-        async_op. Returns the root's data (a new array, or ``out``); a ``Work`` with async_op.
-        Raises: TypeError / ValueError (bad root, dtype, out) before any message; CommError.
-        >>> y = comm.broadcast(x, root=0)
+        Args:
+            x (np.ndarray): The root's data; the other ranks pass an array of the same shape and
+                dtype (its contents are not read).
+            root (int): The rank that holds the data.
+            algorithm (str): "auto" (the α-β model's choice, or ``MINICOMM_ALGO``) or a family:
+                "ring", "tree", "rhd" or "hier".
+            out (np.ndarray | None): The result array, checked against the result's shape and
+                dtype; it may be ``x`` itself (in place).
+            async_op (bool): Return a ``Work`` at once; its ``wait()`` returns the result.
+
+        Returns:
+            (np.ndarray | Work): The root's data (a new array, or ``out``); a ``Work`` with
+                ``async_op``.
+
+        Raises:
+            TypeError: A non-numeric ``x`` or a bad ``out``, before any message moves.
+            ValueError: A root outside the communicator or an unknown algorithm.
+            CommError: On failure (``MismatchError``, ``CommTimeout``, ``PeerFailure``); the
+                communicator is broken from then on.
+
+        Examples:
+            >>> comm.broadcast(np.arange(3) * (comm.rank + 1), root=1)
+            array([0, 2, 4])
         """
         if not async_op:
             y = self._fast("broadcast", "none", algorithm, root, x, out)
@@ -203,10 +265,27 @@ class Collectives:
     def allgather(self, x, algorithm="auto", out=None, async_op=False):
         """Every rank gets every rank's ``x``, stacked by rank.
 
-        Args: x (the same shape on every rank), algorithm, out, async_op.
-        Returns an array of shape ``(size, *x.shape)`` (or ``out``); a ``Work`` with async_op.
-        Raises: TypeError / ValueError (bad dtype or out) before any message; CommError.
-        >>> y = comm.allgather(np.arange(3))
+        Args:
+            x (np.ndarray): This rank's array (every rank the same shape and dtype).
+            algorithm (str): "auto" (the α-β model's choice, or ``MINICOMM_ALGO``) or a family:
+                "ring", "tree", "rhd" or "hier".
+            out (np.ndarray | None): The result array, of shape ``(size, *x.shape)``.
+            async_op (bool): Return a ``Work`` at once; its ``wait()`` returns the result.
+
+        Returns:
+            (np.ndarray | Work): An array of shape ``(size, *x.shape)`` whose row r is rank r's
+                ``x`` (or ``out``); a ``Work`` with ``async_op``.
+
+        Raises:
+            TypeError: A non-numeric ``x`` or a bad ``out``, before any message moves.
+            ValueError: An unknown algorithm.
+            CommError: On failure (``MismatchError``, ``CommTimeout``, ``PeerFailure``); the
+                communicator is broken from then on.
+
+        Examples:
+            >>> comm.allgather(np.arange(3) + 10 * comm.rank)
+            array([[ 0,  1,  2],
+                   [10, 11, 12]])
         """
         if not async_op:
             y = self._fast("allgather", "none", algorithm, 0, x, out)
@@ -217,10 +296,29 @@ class Collectives:
     def gather(self, x, root=0, algorithm="auto", out=None, async_op=False):
         """Rank ``root`` gets every rank's ``x``, stacked by rank.
 
-        Args: x (the same shape on every rank), root (a rank), algorithm, out (the root's),
-        async_op. Returns at the root an array of shape ``(size, *x.shape)`` (or ``out``),
-        None elsewhere; a ``Work`` with async_op. Raises: TypeError / ValueError; CommError.
-        >>> y = comm.gather(np.arange(3), root=0)
+        Args:
+            x (np.ndarray): This rank's array (every rank the same shape and dtype).
+            root (int): The rank that gets the result.
+            algorithm (str): "auto" (the α-β model's choice, or ``MINICOMM_ALGO``) or a family:
+                "ring", "tree", "rhd" or "hier".
+            out (np.ndarray | None): The root's result array, of shape ``(size, *x.shape)``;
+                ignored elsewhere.
+            async_op (bool): Return a ``Work`` at once; its ``wait()`` returns the result.
+
+        Returns:
+            (np.ndarray | None | Work): At the root an array of shape ``(size, *x.shape)`` (or
+                ``out``), None elsewhere; a ``Work`` with ``async_op``.
+
+        Raises:
+            TypeError: A non-numeric ``x`` or a bad ``out``.
+            ValueError: A root outside the communicator or an unknown algorithm.
+            CommError: On failure (``MismatchError``, ``CommTimeout``, ``PeerFailure``); the
+                communicator is broken from then on.
+
+        Examples:
+            >>> y = comm.gather(np.array([comm.rank, 7]), root=0)
+            >>> y.tolist() == [[0, 7], [1, 7]] if comm.rank == 0 else y is None
+            True
         """
         if not async_op:
             y = self._fast("gather", "none", algorithm, root, x, out)
@@ -231,10 +329,29 @@ class Collectives:
     def reduce_scatter(self, x, op="sum", algorithm="auto", out=None, async_op=False):
         """Reduce ``x`` of shape ``(size, *s)`` over all ranks with ``op``; rank r gets block r.
 
-        Args: x, op (as allreduce), algorithm, out, async_op.
-        Returns the reduced block of shape ``s`` (or ``out``); a ``Work`` with async_op.
-        Raises: TypeError / ValueError (x not (size, ...), bad op, dtype, out); CommError.
-        >>> y = comm.reduce_scatter(np.ones((comm.size, 4)))
+        Args:
+            x (np.ndarray): This rank's blocks, of shape ``(size, *s)`` (every rank the same shape
+                and dtype).
+            op (str): "sum", "prod", "min", "max", "avg", "band", "bor" or "bxor" (avg on
+                floating and complex dtypes only; the bitwise ops on integer and bool ones).
+            algorithm (str): "auto" (the α-β model's choice, or ``MINICOMM_ALGO``) or a family:
+                "ring", "tree", "rhd" or "hier".
+            out (np.ndarray | None): The result array, of shape ``s``.
+            async_op (bool): Return a ``Work`` at once; its ``wait()`` returns the result.
+
+        Returns:
+            (np.ndarray | Work): The reduced block of shape ``s`` (or ``out``); a ``Work`` with
+                ``async_op``.
+
+        Raises:
+            TypeError: A non-numeric ``x``, an op the dtype has no meaning for, or a bad ``out``.
+            ValueError: ``x`` not of shape ``(size, ...)``, an unknown op or algorithm.
+            CommError: On failure (``MismatchError``, ``CommTimeout``, ``PeerFailure``); the
+                communicator is broken from then on.
+
+        Examples:
+            >>> comm.reduce_scatter(np.ones((comm.size, 4)))
+            array([2., 2., 2., 2.])
         """
         if not async_op:
             y = self._fast("reduce_scatter", op, algorithm, 0, x, out)
@@ -245,10 +362,28 @@ class Collectives:
     def alltoall(self, x, algorithm="auto", out=None, async_op=False):
         """Rank r sends block j of its ``x`` (shape ``(size, *s)``) to rank j.
 
-        Args: x, algorithm, out, async_op.
-        Returns ``y`` of x's shape with ``y[j]`` = rank j's ``x[rank]`` (or ``out``); a
-        ``Work`` with async_op. Raises: TypeError / ValueError (x not (size, ...)); CommError.
-        >>> y = comm.alltoall(np.arange(comm.size * 2).reshape(comm.size, 2))
+        Args:
+            x (np.ndarray): This rank's blocks, of shape ``(size, *s)`` (every rank the same shape
+                and dtype).
+            algorithm (str): "auto" (the α-β model's choice, or ``MINICOMM_ALGO``) or a family:
+                "ring", "tree", "rhd" or "hier".
+            out (np.ndarray | None): The result array, of ``x``'s shape (it may be ``x``).
+            async_op (bool): Return a ``Work`` at once; its ``wait()`` returns the result.
+
+        Returns:
+            (np.ndarray | Work): ``y`` of ``x``'s shape with ``y[j]`` = rank j's ``x[rank]`` (or
+                ``out``); a ``Work`` with ``async_op``.
+
+        Raises:
+            TypeError: A non-numeric ``x`` or a bad ``out``.
+            ValueError: ``x`` not of shape ``(size, ...)`` or an unknown algorithm.
+            CommError: On failure (``MismatchError``, ``CommTimeout``, ``PeerFailure``); the
+                communicator is broken from then on.
+
+        Examples:
+            >>> x = np.array([[10 * comm.rank], [10 * comm.rank + 1]])
+            >>> comm.alltoall(x)[:, 0] - comm.rank          # rank r gets x[r] of every rank
+            array([ 0, 10])
         """
         if not async_op:
             y = self._fast("alltoall", "none", algorithm, 0, x, out)
@@ -259,11 +394,32 @@ class Collectives:
     def scatter(self, x, root=0, algorithm="auto", out=None, async_op=False):
         """Rank r gets block ``x[r]`` of the root's ``x`` (shape ``(size, *s)``).
 
-        Args: x (ignored off the root: None is fine), root, algorithm, out (off the root it
-        must match the root's block; without it the block's shape comes from the root), async_op.
-        Returns the block of shape ``s`` (or ``out``); a ``Work`` with async_op.
-        Raises: TypeError / ValueError (bad root, x, out); MismatchError, CommError.
-        >>> y = comm.scatter(blocks if comm.rank == 0 else None, root=0)
+        Args:
+            x (np.ndarray | None): The root's blocks, of shape ``(size, *s)``; ignored off the root
+                (None is fine there).
+            root (int): The rank that holds the data.
+            algorithm (str): "auto" (the α-β model's choice, or ``MINICOMM_ALGO``) or a family:
+                "ring", "tree", "rhd" or "hier".
+            out (np.ndarray | None): The result array, of shape ``s``; off the root it must match
+                the root's block, and without it the block's shape and dtype come from the root.
+            async_op (bool): Return a ``Work`` at once; its ``wait()`` returns the result.
+
+        Returns:
+            (np.ndarray | Work): This rank's block of shape ``s`` (or ``out``); a ``Work`` with
+                ``async_op``.
+
+        Raises:
+            TypeError: A non-numeric ``x`` or a bad ``out``.
+            ValueError: A root outside the communicator, the root's ``x`` not of shape
+                ``(size, ...)``, or an unknown algorithm.
+            MismatchError: ``out`` does not match the root's block.
+            CommError: On failure (``MismatchError``, ``CommTimeout``, ``PeerFailure``); the
+                communicator is broken from then on.
+
+        Examples:
+            >>> blocks = np.arange(6).reshape(comm.size, 3) if comm.rank == 0 else None
+            >>> comm.scatter(blocks, root=0) - 3 * comm.rank
+            array([0, 1, 2])
         """
         if not async_op:
             y = self._fast("scatter", "none", algorithm, root, x, out)
@@ -274,10 +430,22 @@ class Collectives:
     def barrier(self, algorithm="auto", async_op=False):
         """Return once every rank has entered the barrier.
 
-        Args: algorithm, async_op as in the module doc.
-        Returns None; a ``Work`` with async_op. Raises: ValueError for an unknown algorithm;
-        CommError subclasses on failure.
-        >>> comm.barrier()
+        Args:
+            algorithm (str): "auto" (the α-β model's choice, or ``MINICOMM_ALGO``) or a family:
+                "ring", "tree", "rhd" or "hier".
+            async_op (bool): Return a ``Work`` at once; its ``wait()`` returns None once every rank
+                has entered.
+
+        Returns:
+            (None | Work): None; a ``Work`` with ``async_op``.
+
+        Raises:
+            ValueError: An unknown algorithm.
+            CommError: On failure (``MismatchError``, ``CommTimeout``, ``PeerFailure``); the
+                communicator is broken from then on.
+
+        Examples:
+            >>> comm.barrier()
         """
         if not async_op:
             y = self._fast("barrier", "none", algorithm, 0, EMPTY, None)

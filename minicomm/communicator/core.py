@@ -23,10 +23,34 @@ class Communicator(Collectives, ScatterHeader, ObjectCollectives, PointToPoint, 
                    RegisteredBuffers, CallPlans, Fingerprints, Buffers, Lifecycle):
     """A group of ranks that run collectives together. Create with ``mc.spawn`` or ``mc.init``.
 
-    ``rank``, ``size``, ``group`` (world ranks), ``topology`` (node of each rank), ``node``,
-    ``num_nodes``, ``local_rank``, ``local_size``; ``transport`` and its capabilities ``caps``
-    (learned once, here); ``timeout`` (seconds per call); ``check`` ("header", or "full": a
-    fingerprint exchange before every call); ``link_model`` (what ``algorithm="auto"`` uses)."""
+    Its methods: the collectives (``allreduce``, ``reduce``, ``broadcast``, ``allgather``,
+    ``gather``, ``reduce_scatter``, ``alltoall``, ``scatter``, ``barrier``), their object forms,
+    point-to-point (``send``, ``recv``, ``isend``, ``irecv``), ``split``, ``window``,
+    registered buffers (``empty``, ``register``, ``free``), ``abort`` and ``close``. A
+    communicator is used by one thread at a time; ``async_op=True`` overlaps.
+
+    Attributes:
+        rank (int): This rank, 0..size-1.
+        size (int): The number of ranks.
+        group (tuple): The world rank of each rank.
+        topology (tuple): The node of each rank (nodes numbered 0..k-1 in order of first
+            appearance).
+        node (int): This rank's node.
+        num_nodes (int): The number of nodes.
+        local_rank (int): This rank's index among the ranks of its node.
+        local_size (int): The number of ranks on this node.
+        transport (object): The transport the messages move over (``transport.name``).
+        caps (Capabilities): What the transport offers beyond the two-sided core, learned once.
+        timeout (float): Seconds a call waits at most (``MINICOMM_TIMEOUT``, ``timeout=``).
+        check (str): "header" (tags checked on every message, fingerprints before rooted
+            calls), or "full": a fingerprint exchange before every call
+            (``MINICOMM_DEBUG=detail``).
+        link_model (LinkModel): What ``algorithm="auto"`` chooses by.
+
+    Examples:
+        >>> comm.rank in range(comm.size), comm.size
+        (True, 2)
+    """
 
     def __init__(self, transport, rank: int, size: int, *, group: Optional[Sequence[int]] = None,
                  topology: Optional[Sequence[int]] = None, comm_id: int = 1,

@@ -52,7 +52,8 @@ class Fingerprints:
         tag = Tag(self._ctx, seq, 0, fingerprint_call(call), 3)
         bufs = (mine, everyone, self._tmp(np.dtype(np.int64), plan.tmp_count))
         run_plan(plan, self.transport, bufs, _ops.get_kernel("sum"), tag, self._deadline(),
-                 f"fingerprint check of call #{seq + 1}", oversubscribed=self.caps.oversubscribed)
+                 f"fingerprint check of sequence #{seq + 1}",
+                 oversubscribed=self.caps.oversubscribed)
         self._compare_fingerprints(everyone.reshape(self.size, 3), mine, call, count, seq)
 
     def _small_guard(self, call: int, count: int, shape: Tuple[int, ...]) -> Guard:
@@ -105,6 +106,6 @@ class Fingerprints:
             theirs = Tag(0, 0, 0, int(rows[bad[0]][0]), int(rows[bad[0]][1]))
             me = Tag(0, 0, 0, call, count)
             extra = "" if rows[bad[0]][:2].tolist() != mine[:2].tolist() else " (different shapes)"
-            raise MismatchError(f"ranks disagree on call #{seq + 1}: rank {bad[0]} called "
+            raise MismatchError(f"ranks disagree (sequence #{seq + 1}): rank {bad[0]} called "
                                 f"{describe_call(theirs)}{extra}, rank {self.rank} called "
                                 f"{describe_call(me)}; mismatched ranks: {bad}")

@@ -15,13 +15,29 @@ class Groups:
 
     @serialized("split")
     def split(self, color, key=None):
-        """MPI_Comm_split: the ranks that pass the same ``color`` form a new communicator,
-        ordered by (key, rank). Collective over this communicator.
+        """MPI_Comm_split: the ranks that pass the same ``color`` form a new communicator.
 
-        Args: color, an int, or None / negative (MPI_UNDEFINED: this rank joins none); key, an
-        int (default this rank). Returns the new ``Communicator``, or None.
-        Raises: TypeError for a color or key that is not an int; CommError on failure.
-        >>> row = comm.split(comm.rank // 2)
+        Collective over this communicator; the new one's ranks are ordered by (key, rank).
+
+        Args:
+            color (int | None): The group to join; None or a negative int (MPI_UNDEFINED): join
+                none.
+            key (int | None): This rank's sort key in its group (default: this rank).
+
+        Returns:
+            (Communicator | None): The new communicator, or None for a rank that joined none.
+
+        Raises:
+            TypeError: A color or key that is not an int.
+            CommError: On failure (``MismatchError``, ``CommTimeout``, ``PeerFailure``).
+
+        Examples:
+            >>> alone = comm.split(comm.rank)              # a communicator of one rank each
+            >>> alone.size, alone.rank
+            (1, 0)
+            >>> reverse = comm.split(0, key=-comm.rank)    # the same ranks, numbered backwards
+            >>> reverse.rank == comm.size - 1 - comm.rank
+            True
         """
         color, k = self._split_args(color, key)
         table = self.allgather(np.array([color, k], dtype=np.int64))
@@ -52,13 +68,31 @@ class Groups:
                           timeout=self.timeout, check=self.check, link_model=self.link_model,
                           _owner=False, _caps=self.caps)
 
+    @serialized("window")
     def window(self, array) -> Window:
-        """A one-sided RMA window exposing a copy of ``array`` to every rank (collective; see
-        minicomm.window for put / get / accumulate / fence / lock).
+        """A one-sided RMA window exposing a copy of ``array`` to every rank (collective).
 
-        Args: array, this rank's numeric array (every rank the same dtype). Returns a
-        ``Window``. Raises: RMAError where the transport has no one-sided access (tcp,
-        inproc); TypeError for a non-numeric array or dtypes that differ between ranks.
-        >>> win = comm.window(np.zeros(8))
+        See ``minicomm.window`` for put / get / accumulate / fence / lock.
+
+        Args:
+            array (np.ndarray): This rank's numeric array (every rank the same dtype; sizes may
+                differ). ``Window.free`` copies the final contents back into it.
+
+        Returns:
+            (Window): The window; ``local`` is this rank's memory of it.
+
+        Raises:
+            RMAError: The transport has no one-sided access (tcp, inproc).
+            TypeError: A non-numeric array, or dtypes that differ between ranks.
+            CommError: On failure (``CommTimeout``, ``PeerFailure``).
+
+        Examples:
+            >>> w = comm.window(np.zeros(4))
+            >>> w.fence()
+            >>> for t in range(comm.size): w.put(np.array([comm.rank + 1.0]), t, offset=comm.rank)
+            >>> w.fence()
+            >>> w.local                                    # 2 ranks: each wrote its slot everywhere
+            array([1., 2., 0., 0.])
+            >>> w.free()
         """
         return Window(self, array)

@@ -9,9 +9,11 @@ communicator's messages, and every later call raises.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import queue
+import re
 import sys
 import threading
 import time
@@ -35,6 +37,16 @@ COLL, P2P = 0, 1
 id_counter = itertools.count(1)
 get_ident = threading.get_ident
 
+# The calls errors number for the user (``Lifecycle._number``): each collective the user calls,
+# once, however many exchanges it makes inside (rooted calls' fingerprints, split, objects).
+# The transports number messages by the internal sequence (``_seq``: setup's calls and those
+# exchanges included), which stays what matching uses; errors call that number "sequence #".
+USER_COLLECTIVES = frozenset((
+    "allreduce", "reduce", "broadcast", "allgather", "gather", "reduce_scatter", "alltoall",
+    "scatter", "barrier", "split", "window", "broadcast_object", "allgather_object",
+    "gather_object", "scatter_object"))
+SEQUENCE_NUMBER = re.compile(r"\bcall #(\d+)")
+
 
 def context(comm_id: int, kind: int) -> int:
     """The ``Tag.comm`` of communicator ``comm_id``'s collectives (COLL) or messages (P2P)."""
@@ -56,9 +68,17 @@ def serialized(name: str):
 
 
 class Work:
-    """Handle of an ``async_op=True`` collective, an ``isend`` or an ``irecv``:
-    ``wait(timeout=None)`` returns its result (or raises its error); ``is_completed()``.
-    An ``irecv``'s ``status`` tells the source and tag it matched."""
+    """Handle of an ``async_op=True`` collective, an ``isend`` or an ``irecv``.
+
+    Attributes:
+        description (str): What the operation is (errors name it).
+        status (Status | None): An ``irecv``'s: the source and tag it matched, once done.
+
+    Examples:
+        >>> w = comm.allreduce(np.ones(2), async_op=True)
+        >>> w.wait()
+        array([2., 2.])
+    """
 
     def __init__(self, description: str, drive=None):
         self.description = description
@@ -73,12 +93,39 @@ class Work:
         self._event.set()
 
     def is_completed(self) -> bool:
-        """True once the operation finished (successfully or not). ``>>> w.is_completed()``"""
+        """Whether the operation finished (successfully or not).
+
+        Returns:
+            (bool): True once done; ``wait()`` then returns (or raises) at once.
+
+        Examples:
+            >>> w = comm.barrier(async_op=True)
+            >>> w.wait()
+            >>> w.is_completed()
+            True
+        """
         return self._event.is_set()
 
     def wait(self, timeout: Optional[float] = None):
-        """The operation's result, once done (``timeout`` seconds at most; None: no limit).
-        Raises its error, or CommTimeout. ``>>> y = comm.allreduce(x, async_op=True).wait()``"""
+        """The operation's result, once done (``result`` is the same method).
+
+        Args:
+            timeout (float | None): Seconds to wait at most; None: no limit (the operation's own
+                deadline, the communicator's timeout, still applies).
+
+        Returns:
+            (object): The collective's result (an array, or None); an ``irecv``'s array; None
+                for an ``isend``.
+
+        Raises:
+            CommTimeout: Not done within ``timeout`` (a receive stays posted: wait again).
+            CommError: The operation's own error.
+
+        Examples:
+            >>> y = comm.allreduce(np.ones(3), async_op=True).wait()
+            >>> y
+            array([2., 2., 2.])
+        """
         if self._drive is not None and not self._event.is_set():
             self._drive(timeout)
         if not self._event.wait(timeout):
@@ -116,6 +163,9 @@ class Lifecycle:
     def _init_lifecycle(self, owner: bool) -> None:
         self._owner = owner
         self._seq = 0
+        self._user_calls = 0          # the user's collectives begun here (USER_COLLECTIVES)
+        self._worker_call = 0         # ... the number of the one the worker thread runs
+        self._calls_of = "the user's"
         # async work: a queue with its own lock (submitting never waits for running work) and
         # one worker thread that runs the queued calls in program order
         self._qlock = threading.Lock()
@@ -148,6 +198,8 @@ class Lifecycle:
         if self._guard.acquire(False):
             self._busy_thread = get_ident()
             self._depth, self.busy_with = 1, what
+            if what in USER_COLLECTIVES:
+                self._user_calls += 1
             return
         if self._busy_thread == get_ident():
             self._depth += 1          # a call made by a call (object collectives, split)
@@ -199,8 +251,31 @@ class Lifecycle:
         """A call's error is final: break the communicator and raise it (see ``_break``)."""
         if self._closing_error is not None and not isinstance(e, (MismatchError, PeerFailure)):
             e = same_error(self._closing_error)      # woken by close() from another thread
+        self._number(e)
         self._break(e)
         raise e from None
+
+    def _number(self, e: BaseException) -> None:
+        """Prefix ``e``'s message with the number of the user's call it ended (counted from 1 on
+        this communicator; USER_COLLECTIVES) and call the internal numbers "sequence #"."""
+        if getattr(e, "user_call", None) is not None:
+            return                    # numbered where it first failed (a call made by a call)
+        worker = self._worker
+        n = self._worker_call if worker is not None and worker.ident == get_ident() \
+            else self._user_calls
+        e.user_call = n
+        text = SEQUENCE_NUMBER.sub(r"sequence #\1", str(e))
+        e.args = (f"{self._calls_of} collective call #{n} on this communicator: {text}",)
+
+    @contextlib.contextmanager
+    def _setup_calls(self):
+        """The calls made inside are the launcher's setup (a new world's link agreement), not
+        the user's: errors say so, and the user's calls are numbered from 1 after it."""
+        self._calls_of = "the launcher's setup"
+        try:
+            yield
+        finally:
+            self._calls_of, self._user_calls = "the user's", 0
 
     # ------------------------------------------------------------------ async work
     def _submit(self, description: str, fn, async_op: bool):
@@ -215,13 +290,14 @@ class Lifecycle:
 
     def _enqueue(self, description: str, fn) -> Work:
         work = Work(description)
+        number = self._user_calls     # this call's: submitted in program order, run later
         with self._qlock:
             self._pending += 1
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work_loop, daemon=True,
                                                 name=f"minicomm-comm{self.comm_id}-r{self.rank}")
                 self._worker.start()
-        self._queue.put((work, fn))
+        self._queue.put((work, fn, number))
         return work
 
     def _work_loop(self):
@@ -229,7 +305,7 @@ class Lifecycle:
             item = self._queue.get()
             if item is None:
                 return
-            work, fn = item
+            work, fn, self._worker_call = item
             try:
                 if self._broken is not None:
                     work._finish(error=same_error(self._broken))
@@ -245,24 +321,45 @@ class Lifecycle:
 
     # ------------------------------------------------------------------ abort, close
     def abort(self, reason: str = "aborted by the user") -> None:
-        """Fail this communicator now: a call blocked in another thread raises at once, queued
-        work fails, later calls raise; peers blocked on this rank learn of it.
+        """Fail this communicator now.
 
-        Args: reason, the text every resulting CommError carries. Returns None. Raises nothing.
-        >>> comm.abort("lost the input")
+        A call blocked in another thread raises at once, queued work fails, later calls raise;
+        peers blocked on this rank learn of it.
+
+        Args:
+            reason (str): The text every resulting ``CommError`` carries.
+
+        Returns:
+            (None): At once; it raises nothing itself, the later calls raise.
+
+        Examples:
+            >>> sub = comm.split(0)
+            >>> sub.abort("lost the input")
+            >>> try:
+            ...     sub.barrier()
+            ... except mc.CommError as e:
+            ...     print(e)
+            barrier: communicator is broken: CommError: communicator aborted: lost the input
         """
         err = CommError(f"communicator aborted: {reason}")
         self._closing_error = err
         self._break(err)
 
     def close(self) -> None:
-        """Finish queued async work (each call bounded by its own deadline), then release the
-        communicator (a world's transport and rendezvous connection with it). Called from
-        another thread while a call runs, it fails that call and the queued ones with a
-        CommError at once, and waits for it to leave before it frees anything.
+        """Finish queued async work, then release the communicator.
 
-        Returns None (a second close does nothing). Raises nothing of its own.
-        >>> comm.close()
+        Each queued call is bounded by its own deadline; a world releases its transport and
+        rendezvous connection with it. Called from another thread while a call runs, it fails
+        that call and the queued ones with a ``CommError`` at once, and waits for it to leave before
+        it frees anything. A communicator is also a context manager that closes on exit.
+
+        Returns:
+            (None): A second close does nothing; close raises nothing of its own.
+
+        Examples:
+            >>> with comm.split(0) as sub:
+            ...     y = sub.allreduce(np.ones(2))
+            >>> sub.close()
         """
         if self._closed:
             return

@@ -13,14 +13,29 @@ class RegisteredBuffers:
     """empty / register / is_registered / free over ``caps.registered`` (module doc)."""
 
     def empty(self, shape, dtype=np.float64) -> np.ndarray:
-        """An uninitialised array in registered memory: over shm, a large message from it moves
-        with one copy, no staging ring and no system call. Use it like any array (in, out, in
-        place); ``free`` ends the registration. Costs one /dev/shm segment per call.
+        """An uninitialised array in registered memory.
 
-        Args: shape, an int or a tuple of ints; dtype, numeric or bool.
-        Returns the array (a plain one where the transport has no registered memory).
-        Raises: TypeError for a non-numeric dtype; ValueError for a negative dimension.
-        >>> buf = comm.empty((1 << 20,), np.float32)
+        Over shm, a large message from it moves with one copy, no staging ring and no system call.
+        Use it like any array (in, out, in place); ``free`` ends the registration. Costs one
+        /dev/shm segment per call.
+
+        Args:
+            shape (int | tuple): The array's shape.
+            dtype (np.dtype): A numeric or bool dtype.
+
+        Returns:
+            (np.ndarray): The array (a plain one where the transport has no registered memory).
+
+        Raises:
+            TypeError: A non-numeric dtype.
+            ValueError: A negative dimension.
+
+        Examples:
+            >>> buf = comm.empty((1 << 10,), np.float32)
+            >>> buf[:] = 1
+            >>> comm.allreduce(buf, out=buf)[:3]
+            array([2., 2., 2.], dtype=float32)
+            >>> comm.free(buf)
         """
         dtype = np.dtype(dtype)
         shape, nbytes = self._registered_size(shape, dtype)
@@ -39,12 +54,24 @@ class RegisteredBuffers:
         return shape, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
     def register(self, array) -> np.ndarray:
-        """``array`` itself if it lies in registered memory already, else a registered copy of
-        it (same shape, dtype and values): pass the returned array to the collectives.
+        """``array`` itself if it lies in registered memory already, else a registered copy of it.
 
-        Args: array, anything ``np.asarray`` takes (numeric or bool). Returns the array.
-        Raises: TypeError for a non-numeric dtype.
-        >>> x = comm.register(np.ones(1 << 20))
+        The copy has the same shape, dtype and values: pass the returned array to the collectives.
+
+        Args:
+            array (np.ndarray): Anything ``np.asarray`` takes (numeric or bool).
+
+        Returns:
+            (np.ndarray): The registered array.
+
+        Raises:
+            TypeError: A non-numeric dtype.
+
+        Examples:
+            >>> x = comm.register(np.ones(1 << 10))
+            >>> comm.allreduce(x)[:2]
+            array([2., 2.])
+            >>> comm.free(x)
         """
         arr = np.asarray(array)
         if self.is_registered(arr) and arr.flags.c_contiguous:
@@ -56,22 +83,38 @@ class RegisteredBuffers:
     def is_registered(self, array) -> bool:
         """Whether ``array`` lies wholly in this transport's registered memory.
 
-        Args: array, any object. Returns a bool (False for anything not a numpy array, and
-        wherever the transport has no registered memory). Raises nothing.
-        >>> comm.is_registered(comm.empty(4))
+        Args:
+            array (object): Any object.
+
+        Returns:
+            (bool): False for anything not a numpy array, and wherever the transport has no
+                registered memory (tcp, inproc).
+
+        Examples:
+            >>> comm.is_registered(np.zeros(4))
+            False
         """
         reg = self.caps.registered
         return reg is not None and isinstance(array, np.ndarray) and reg.is_registered(array)
 
     def free(self, array) -> None:
-        """End the registration of memory from ``empty`` / ``register``: peers stop mapping it
-        and its name goes; the array stays valid as a plain (private) array. Do not free a
-        buffer an unfinished async_op call uses.
+        """End the registration of memory from ``empty`` / ``register``.
 
-        Args: array, from ``empty`` or ``register``. Returns None (nothing to do where the
-        transport has no registered memory). Raises: ValueError for an array that is not
-        registered memory of this communicator.
-        >>> comm.free(buf)
+        Peers stop mapping it and its name goes; the array stays valid as a plain (private) array.
+        Do not free a buffer an unfinished ``async_op`` call uses.
+
+        Args:
+            array (np.ndarray): An array from ``empty`` or ``register``.
+
+        Returns:
+            (None): Also where the transport has no registered memory (nothing to do there).
+
+        Raises:
+            ValueError: An array that is not registered memory of this communicator.
+
+        Examples:
+            >>> buf = comm.empty(4)
+            >>> comm.free(buf)
         """
         reg = self.caps.registered
         if reg is None:

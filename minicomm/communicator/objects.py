@@ -27,10 +27,21 @@ class ObjectCollectives:
     def broadcast_object(self, obj=None, root=0):
         """Every rank gets the root's ``obj`` (cloudpickled).
 
-        Args: obj, the root's object (ignored elsewhere); root, a rank.
-        Returns the object (a copy on every rank but the root). Raises: ValueError for a
-        bad root; CommError subclasses on failure.
-        >>> cfg = comm.broadcast_object(cfg if comm.rank == 0 else None)
+        Args:
+            obj (object): The root's object (ignored elsewhere).
+            root (int): The rank that holds it.
+
+        Returns:
+            (object): The object (a copy on every rank but the root).
+
+        Raises:
+            ValueError: A root outside the communicator.
+            CommError: On failure (``MismatchError``, ``CommTimeout``, ``PeerFailure``).
+
+        Examples:
+            >>> cfg = {"lr": 0.1} if comm.rank == 0 else None
+            >>> comm.broadcast_object(cfg, root=0)
+            {'lr': 0.1}
         """
         root = self._check_root(root, "broadcast_object")
         data = pickled(obj) if self.rank == root else np.empty(0, dtype=np.uint8)
@@ -42,9 +53,18 @@ class ObjectCollectives:
     def allgather_object(self, obj) -> List[Any]:
         """Every rank gets the list of every rank's ``obj``, by rank.
 
-        Args: obj, any object cloudpickle can carry. Returns a list of ``size`` objects.
-        Raises: CommError subclasses on failure.
-        >>> names = comm.allgather_object(socket.gethostname())
+        Args:
+            obj (object): Any object cloudpickle can carry.
+
+        Returns:
+            (list): ``size`` objects, rank r's at index r.
+
+        Raises:
+            CommError: On failure (``MismatchError``, ``CommTimeout``, ``PeerFailure``).
+
+        Examples:
+            >>> comm.allgather_object(f"rank {comm.rank}")
+            ['rank 0', 'rank 1']
         """
         data = pickled(obj)
         sizes = self.allgather(np.array([data.size], dtype=np.int64))[:, 0]
@@ -55,10 +75,21 @@ class ObjectCollectives:
     def gather_object(self, obj, root=0):
         """The root gets the list of every rank's ``obj``, by rank; the others get None.
 
-        Args: obj, any object cloudpickle can carry; root, a rank.
-        Returns the list at the root, else None. Raises: ValueError for a bad root;
-        CommError subclasses on failure.
-        >>> stats = comm.gather_object(local_stats, root=0)
+        Args:
+            obj (object): Any object cloudpickle can carry.
+            root (int): The rank that gets the list.
+
+        Returns:
+            (list | None): At the root ``size`` objects, rank r's at index r; None elsewhere.
+
+        Raises:
+            ValueError: A root outside the communicator.
+            CommError: On failure (``MismatchError``, ``CommTimeout``, ``PeerFailure``).
+
+        Examples:
+            >>> stats = comm.gather_object({"rank": comm.rank}, root=0)
+            >>> stats == [{"rank": 0}, {"rank": 1}] if comm.rank == 0 else stats is None
+            True
         """
         root = self._check_root(root, "gather_object")
         data = pickled(obj)
@@ -72,10 +103,22 @@ class ObjectCollectives:
     def scatter_object(self, objs=None, root=0):
         """Rank r gets ``objs[r]`` of the root's sequence.
 
-        Args: objs, at the root a sequence of ``size`` objects (ignored elsewhere); root, a
-        rank. Returns this rank's object. Raises: ValueError for a bad root or a root's
-        sequence of the wrong length; CommError subclasses on failure.
-        >>> part = comm.scatter_object(parts if comm.rank == 0 else None)
+        Args:
+            objs (Sequence | None): At the root, a sequence of ``size`` objects; ignored elsewhere.
+            root (int): The rank that holds the sequence.
+
+        Returns:
+            (object): This rank's object.
+
+        Raises:
+            ValueError: A root outside the communicator, or a root's sequence not of ``size``
+                objects.
+            CommError: On failure (``MismatchError``, ``CommTimeout``, ``PeerFailure``).
+
+        Examples:
+            >>> parts = ["a", "b"] if comm.rank == 0 else None
+            >>> comm.scatter_object(parts) == "ab"[comm.rank]
+            True
         """
         root = self._check_root(root, "scatter_object")
         table = self._object_table(objs) if self.rank == root else None
@@ -86,9 +129,25 @@ class ObjectCollectives:
     def send_object(self, obj, dst: int, tag: int = 0) -> None:
         """Send ``obj`` (cloudpickled) to rank ``dst`` as one message with ``tag``.
 
-        Returns None. Raises: ValueError for a bad rank or tag; CommTimeout, PeerFailure or
-        CommError when it cannot be delivered.
-        >>> comm.send_object({"step": 3}, dst=1)
+        Args:
+            obj (object): Any object cloudpickle can carry.
+            dst (int): The destination rank.
+            tag (int): An int in 0..MAX_TAG the receiver matches on.
+
+        Returns:
+            (None): Once the message is on its way.
+
+        Raises:
+            ValueError: A rank outside the communicator or a bad tag.
+            CommTimeout: The message could not be handed over within the communicator's timeout.
+            PeerFailure: The destination died or left.
+            CommError: The communicator is broken or closed.
+
+        Examples:
+            >>> if comm.rank == 0: comm.send_object({"step": 3}, dst=1, tag=5)
+            >>> if comm.rank == 1: msg = comm.recv_object(0, tag=5)
+            >>> comm.rank == 0 or msg == {"step": 3}
+            True
         """
         self.send(pickled(obj), dst, tag)
 
@@ -96,9 +155,29 @@ class ObjectCollectives:
                     timeout: Optional[float] = None):
         """Receive an object sent by ``send_object`` from ``src`` (or ``ANY_SOURCE``).
 
-        Args: tag (or ``ANY_TAG``), status and timeout as for ``recv``. Returns the object.
-        Raises: ValueError for a bad rank or tag; CommTimeout, PeerFailure, CommError.
-        >>> msg = comm.recv_object(0)
+        Only this job's processes can send one (the transport authenticates every peer); the
+        object is unpickled.
+
+        Args:
+            src (int): The source rank, or ``mc.ANY_SOURCE``.
+            tag (int): The tag to match, or ``mc.ANY_TAG``.
+            status (Status | None): A ``Status`` to fill (as for ``recv``).
+            timeout (float | None): Seconds to wait (default: the communicator's).
+
+        Returns:
+            (object): The object.
+
+        Raises:
+            ValueError: A rank outside the communicator or a bad tag.
+            CommTimeout: No matching message within ``timeout``.
+            PeerFailure: The source died or left.
+            CommError: The communicator is broken or closed.
+
+        Examples:
+            >>> if comm.rank == 1: comm.send_object(("hello", [1, 2]), dst=0)
+            >>> if comm.rank == 0: msg = comm.recv_object(mc.ANY_SOURCE)
+            >>> comm.rank == 1 or msg == ("hello", [1, 2])
+            True
         """
         return unpickled(self.recv(src, tag, status=status, timeout=timeout))
 

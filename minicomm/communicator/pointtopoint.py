@@ -131,11 +131,26 @@ class PointToPoint:
     def isend(self, x, dst: int, tag: int = 0) -> Work:
         """Post one message to rank ``dst``, matched on (source, tag) by the receiver.
 
-        Args: x, a numeric or bool array; dst, a rank; tag, an int in 0..MAX_TAG.
-        Returns a ``Work``: ``wait()`` returns None once ``x`` may be reused.
-        Raises: TypeError / ValueError for bad arguments; CommError if the communicator is
-        broken or closed (``wait()`` raises the send's own failure).
-        >>> w = comm.isend(np.arange(3), 1); w.wait()
+        Args:
+            x (np.ndarray): A numeric or bool array; it must not change until the send completes.
+            dst (int): The destination rank.
+            tag (int): An int in 0..MAX_TAG (2**31 - 1) the receiver matches on.
+
+        Returns:
+            (Work): ``wait()`` returns None once ``x`` may be reused.
+
+        Raises:
+            TypeError: A non-numeric ``x``.
+            ValueError: A rank outside the communicator or a bad tag.
+            CommError: The communicator is broken or closed (``wait()`` raises the send's own
+                failure: ``CommTimeout``, ``PeerFailure``).
+
+        Examples:
+            >>> w = comm.isend(np.arange(3) + 10 * comm.rank, 1 - comm.rank)   # to the other rank
+            >>> y = comm.recv(1 - comm.rank)
+            >>> w.wait()
+            >>> y - 10 * (1 - comm.rank)
+            array([0, 1, 2])
         """
         return self._isend(x, dst, tag)
 
@@ -143,36 +158,91 @@ class PointToPoint:
     def send(self, x, dst: int, tag: int = 0) -> None:
         """Send one message to rank ``dst``; returns once ``x`` may be reused.
 
-        Args: x, a numeric or bool array; dst, a rank; tag, an int in 0..MAX_TAG.
-        Returns None. Raises: TypeError / ValueError for bad arguments; CommTimeout,
-        PeerFailure or CommError when the message cannot be delivered.
-        >>> comm.send(np.arange(3), dst=1, tag=7)
+        Args:
+            x (np.ndarray): A numeric or bool array; shape and dtype travel with it.
+            dst (int): The destination rank.
+            tag (int): An int in 0..MAX_TAG (2**31 - 1) the receiver matches on.
+
+        Returns:
+            (None): Once the message is on its way (a large one: once the receiver took it).
+
+        Raises:
+            TypeError: A non-numeric ``x``.
+            ValueError: A rank outside the communicator or a bad tag.
+            CommTimeout: The message could not be handed over within the communicator's timeout.
+            PeerFailure: The destination died or left.
+            CommError: The communicator is broken or closed.
+
+        Examples:
+            >>> if comm.rank == 0: comm.send(np.arange(3), dst=1, tag=7)
+            >>> if comm.rank == 1: y = comm.recv(0, tag=7)
+            >>> comm.rank == 0 or y.tolist() == [0, 1, 2]
+            True
         """
         self._isend(x, dst, tag).wait()
 
     @serialized("irecv")
     def irecv(self, src: int, tag: int = 0, out=None) -> Work:
-        """Post a receive of one message from ``src`` (or ``ANY_SOURCE``) with ``tag`` (or
-        ``ANY_TAG``).
+        """Post a receive of one message from ``src`` with ``tag`` (either may be ANY).
 
-        Args: src, tag as for ``recv``; out, an array to receive into (checked against the
-        message's dtype and size before its payload is touched).
-        Returns a ``Work``: ``wait()`` returns the array, ``status`` tells what it matched.
-        Raises: ValueError / TypeError for bad arguments; CommError if unusable.
-        >>> y = comm.irecv(0, tag=7).wait()
+        Args:
+            src (int): The source rank, or ``mc.ANY_SOURCE``.
+            tag (int): The tag to match, or ``mc.ANY_TAG``.
+            out (np.ndarray | None): An array to receive into, checked against the message's dtype
+                and size before its payload is touched.
+
+        Returns:
+            (Work): ``wait()`` returns the array (``out`` if given); its ``status`` (a ``Status``)
+                tells what it matched.
+
+        Raises:
+            TypeError: ``out`` is not a numpy array.
+            ValueError: A rank outside the communicator or a bad tag.
+            CommError: The communicator is broken or closed.
+
+        Examples:
+            >>> w = comm.irecv(mc.ANY_SOURCE, tag=7)
+            >>> comm.send(np.array([comm.rank]), dst=1 - comm.rank, tag=7)
+            >>> w.wait() + comm.rank                         # the other rank's, 1 - rank
+            array([1])
+            >>> w.status.source == 1 - comm.rank
+            True
         """
         return self._irecv(src, tag, out)[0]
 
     @serialized("recv")
     def recv(self, src: int, tag: int = 0, out=None, status: Optional[Status] = None,
              timeout: Optional[float] = None):
-        """Receive one message from ``src`` (or ``ANY_SOURCE``) with ``tag`` (or ``ANY_TAG``);
-        shape and dtype come from the message.
+        """Receive one message from ``src`` (or ``ANY_SOURCE``) with ``tag`` (or ``ANY_TAG``).
 
-        Args: out, an array to receive into (checked before anything is consumed); status, a
-        ``Status`` to fill; timeout, seconds (default the communicator's): cancels only this
-        receive. Returns the array (``out`` if given).
-        Raises: ValueError / TypeError for bad arguments; CommTimeout, PeerFailure, CommError.
-        >>> y = comm.recv(0, tag=7)
+        The array's shape and dtype come from the message.
+
+        Args:
+            src (int): The source rank, or ``mc.ANY_SOURCE``.
+            tag (int): The tag to match, or ``mc.ANY_TAG``.
+            out (np.ndarray | None): An array to receive into, checked against the message's dtype
+                and size before anything is consumed (a wrong one leaves the message in place).
+            status (Status | None): A ``Status`` to fill with the source, tag, size, dtype and shape
+                of what matched.
+            timeout (float | None): Seconds to wait (default: the communicator's); a timeout cancels
+                this receive only, not the communicator.
+
+        Returns:
+            (np.ndarray): The received array (``out`` if given).
+
+        Raises:
+            TypeError: ``out`` is not a numpy array, or does not fit the message.
+            ValueError: A rank outside the communicator or a bad tag.
+            CommTimeout: No matching message within ``timeout``.
+            PeerFailure: The source died or left.
+            CommError: The communicator is broken or closed.
+
+        Examples:
+            >>> w = comm.isend(np.array([comm.rank]), dst=1 - comm.rank, tag=3)
+            >>> st = mc.Status()
+            >>> y = comm.recv(mc.ANY_SOURCE, tag=3, status=st)
+            >>> w.wait()
+            >>> (st.source, st.tag, int(y[0])) == (1 - comm.rank, 3, 1 - comm.rank)
+            True
         """
         return self._recv(src, tag, out, status, timeout)

@@ -810,11 +810,36 @@ def setup_timeout_for(launch: Launch, timeout: Optional[float],
 
 def init(transport: Optional[str] = None, timeout: Optional[float] = None,
          setup_timeout: Optional[float] = None) -> Communicator:
-    """The world communicator of a process started by ``minicomm run``, torchrun, mpiexec,
-    mpirun or srun (see the module header for what is read from where).
+    """The world communicator of a process that a launcher started.
 
-    ``timeout``: the communicator's default per-call timeout. ``setup_timeout``: the bound on
-    rendezvous (default ``MINICOMM_SETUP_TIMEOUT``, else 30 s under foreign launchers)."""
+    The launchers: ``minicomm run``, torchrun, mpiexec, mpirun and srun. Which one started the
+    process decides where rank, world size and the rendezvous come from (the table is in the
+    module docstring of ``minicomm.launch.env``).
+
+    Args:
+        transport (str | None): "auto", "shm", "tcp", "rdma" or "ub" (default
+            ``MINICOMM_TRANSPORT``, else "auto").
+        timeout (float | None): The communicator's default per-call timeout (default
+            ``MINICOMM_TIMEOUT``).
+        setup_timeout (float | None): The bound on rendezvous (default
+            ``MINICOMM_SETUP_TIMEOUT``, else 30 s under foreign launchers).
+
+    Returns:
+        (Communicator): The world communicator of this process.
+
+    Raises:
+        ValueError: An unknown transport or a bad setting.
+        BootstrapError: The environment does not describe a job this process can join (the
+            error names the variables rank, size and address came from).
+        CommTimeout: Not every rank arrived within the setup timeout (the error says how many
+            did).
+
+    Examples:
+        >>> import minicomm as mc
+        >>> comm = mc.init()  # doctest: +SKIP
+        >>> total = comm.allreduce(np.ones(4))  # doctest: +SKIP
+        >>> comm.close()  # doctest: +SKIP
+    """
     env = dict(os.environ)
     transport = transport or env_choice("MINICOMM_TRANSPORT", "auto", TRANSPORTS, env)
     if transport not in TRANSPORTS:

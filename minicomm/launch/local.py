@@ -48,7 +48,31 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), transport: str = "
           nodes: int = 1, timeout: Optional[float] = None) -> List[Any]:
     """Run ``fn(comm, *args)`` on ``world_size`` ranks; return the results by rank.
 
-    Raises ``SpawnError`` (root cause first) if any rank raises or dies."""
+    Args:
+        fn (Callable): The rank's program, called with its ``Communicator`` first (for processes
+            it travels by cloudpickle, so a lambda or a closure is fine).
+        world_size (int): The number of ranks.
+        args (Sequence): More arguments for ``fn``, the same on every rank.
+        transport (str): "auto", "inproc" (threads of this process), "shm", "tcp", "rdma" or
+            "ub" (fresh processes).
+        nodes (int): Emulated nodes: the ranks are split into this many blocks, each a node of
+            ``comm.topology`` (the hierarchical algorithms and "auto" use it).
+        timeout (float | None): Seconds each wait of a rank may take (default
+            ``MINICOMM_TIMEOUT``); not a deadline for the job.
+
+    Returns:
+        (list): ``fn``'s return value on each rank, by rank.
+
+    Raises:
+        ValueError: An unknown transport, ``world_size < 1``, or a bad setting
+            (``MINICOMM_TIMEOUT``, ``MINICOMM_DEBUG``, ``MINICOMM_ALGO``).
+        SpawnError: One or more ranks raised or died; the root cause first, with every failed
+            rank's traceback (``failures``).
+
+    Examples:
+        >>> mc.spawn(lambda comm: comm.allreduce(np.ones(2)), world_size=4, transport="inproc")
+        [array([4., 4.]), array([4., 4.]), array([4., 4.]), array([4., 4.])]
+    """
     if transport not in TRANSPORTS:
         raise ValueError(f"transport {transport!r}: choose one of {', '.join(TRANSPORTS)}")
     if world_size < 1:

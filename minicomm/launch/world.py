@@ -154,7 +154,8 @@ def _agree_links(comm: Communicator, t: Any, intra: str, inter: str) -> None:
         # rank 0's links (probed or cached) and tuned table, so auto agrees on every rank:
         # docs/decisions/link-tuning-probes.md
         if _link_agreement is not None:
-            comm.link_model = _link_agreement(comm, intra, inter)
+            with comm._setup_calls():     # setup's calls: errors number the user's from 1
+                comm.link_model = _link_agreement(comm, intra, inter)
     except BaseException as e:
         # a failing rank is not a finished one: peers must hear of a failure (abort), not the
         # orderly goodbye close() alone sends (they reported "it finished")

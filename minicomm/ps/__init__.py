@@ -71,9 +71,49 @@ def _num_servers(num_servers, size: int) -> int:
 def start(comm, num_servers: Optional[int] = None, staleness: Optional[int] = 0,
           optimizer: Optional[Optimizer] = None, checkpoint_dir=None, checkpoint_every: int = 0,
           resume: bool = False, chunk_bytes: int = 4 << 20) -> Optional[Worker]:
-    """Make ranks ``0..num_servers-1`` servers (they serve, then return None) and the rest
-    workers (they get a ``Worker``). Every rank of ``comm`` calls it with the same arguments.
-    ``optimizer`` defaults to ``SGD(lr=0.1)``."""
+    """Make ranks ``0..num_servers-1`` parameter servers and the rest workers.
+
+    Every rank of ``comm`` calls it with the same arguments. The servers serve until every
+    worker has closed (or died), then return None; the workers get a ``Worker`` at once.
+
+    Args:
+        comm (Communicator): The ranks of the job; it stays usable (``start`` works on a
+            private ``split`` of it).
+        num_servers (int | None): How many servers, 1 <= num_servers < comm.size; None reads
+            ``MINICOMM_NUM_SERVERS`` (``minicomm run -n 6 --servers 2``).
+        staleness (int | None): 0: synchronous (BSP: a clock's gradients averaged over the
+            workers, applied once); k > 0: bounded staleness (SSP: a pull at clock c waits for
+            the slowest worker to reach c - k); None: asynchronous (every push one optimizer step
+            on arrival).
+        optimizer (Optimizer | None): What the servers apply gradients with (default
+            ``SGD(lr=0.1)``).
+        checkpoint_dir (str | os.PathLike | None): Where the servers write checkpoints.
+        checkpoint_every (int): Write every shard and its clocks atomically every N updates
+            (0: never).
+        resume (bool): Restart from the newest checkpoint all servers hold.
+        chunk_bytes (int): Arrays above this size are split across servers.
+
+    Returns:
+        (Worker | None): A ``Worker`` on worker ranks; None on server ranks, once every worker
+            has closed.
+
+    Raises:
+        ValueError: A bad num_servers, staleness, checkpoint_every or chunk_bytes, or
+            checkpointing asked for without a checkpoint_dir.
+        TypeError: An optimizer that is not a ``ps.Optimizer``.
+        CheckpointError: ``resume`` found no usable checkpoint of this configuration.
+        PeerFailure: In synchronous mode, a worker died (naming it).
+
+    Examples:
+        >>> from minicomm import ps
+        >>> kv = ps.start(comm, num_servers=1, optimizer=ps.SGD(lr=0.1))  # doctest: +SKIP
+        >>> if kv is not None:          # ranks >= num_servers are workers  # doctest: +SKIP
+        ...     kv.init({"w": np.zeros(4)})
+        ...     kv.push({"w": np.ones(4)})
+        ...     print(kv.pull(["w"])["w"])
+        ...     kv.close()
+        [-0.1 -0.1 -0.1 -0.1]
+    """
     k = _num_servers(num_servers, comm.size)
     if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int)
                                   or staleness < 0):

@@ -36,17 +36,56 @@ def _unit(x, name: str) -> float:
 
 
 class Optimizer:
-    """Base class: ``new_state(count, dtype)`` and ``step(param, grad, state, scale)``."""
+    """Base class of the server-side optimizers.
+
+    A subclass defines ``new_state(count, dtype)``, ``step(param, grad, state, scale)`` and
+    ``config()`` (a checkpoint records it).
+
+    Examples:
+        >>> ps.SGD(lr=0.1) == ps.SGD(0.1)
+        True
+    """
     name = "optimizer"
 
     def new_state(self, count: int, dtype: np.dtype) -> Dict[str, np.ndarray]:
+        """The optimizer state of one piece of a key (none by default).
+
+        Args:
+            count (int): The piece's number of elements.
+            dtype (np.dtype): The piece's dtype.
+
+        Returns:
+            (dict): ``{name: array}`` of the state (empty: stateless).
+        """
         return {}
 
     def step(self, param: np.ndarray, grad: np.ndarray, state: Dict[str, np.ndarray],
              scale: float = 1.0) -> None:
+        """Apply the gradient ``scale * grad`` to ``param`` in place.
+
+        Args:
+            param (np.ndarray): The parameters, updated in place.
+            grad (np.ndarray): The gradient; overwritten (it doubles as scratch).
+            state (dict): This piece's state from ``new_state``, updated in place.
+            scale (float): A factor on the gradient (1 / workers for a synchronous average).
+
+        Returns:
+            (None): Once ``param`` holds the new values.
+
+        Raises:
+            NotImplementedError: In the base class.
+        """
         raise NotImplementedError
 
     def config(self) -> dict:
+        """The hyperparameters, as plain JSON (a checkpoint records them).
+
+        Returns:
+            (dict): ``{"name": ..., hyperparameter: value}``.
+
+        Raises:
+            NotImplementedError: In the base class.
+        """
         raise NotImplementedError
 
     def __eq__(self, other) -> bool:
@@ -58,7 +97,24 @@ class Optimizer:
 
 
 class SGD(Optimizer):
-    """Stochastic gradient descent with optional (heavy-ball, PyTorch-style) momentum."""
+    """Stochastic gradient descent with optional (heavy-ball, PyTorch-style) momentum.
+
+    ``v = momentum * v + g; p -= lr * v`` (momentum 0: ``p -= lr * g``, no buffer).
+
+    Args:
+        lr (float): The learning rate, positive.
+        momentum (float): In [0, 1).
+
+    Raises:
+        ValueError: A learning rate that is not positive, or a momentum outside [0, 1).
+
+    Examples:
+        >>> opt = ps.SGD(lr=0.5)
+        >>> p, g = np.ones(2), np.ones(2)
+        >>> opt.step(p, g, opt.new_state(2, p.dtype))
+        >>> p
+        array([0.5, 0.5])
+    """
     name = "sgd"
 
     def __init__(self, lr: float, momentum: float = 0.0):
@@ -66,9 +122,29 @@ class SGD(Optimizer):
         self.momentum = _unit(momentum, "SGD momentum")
 
     def new_state(self, count, dtype):
+        """The momentum buffer of one piece (none without momentum).
+
+        Args:
+            count (int): The piece's number of elements.
+            dtype (np.dtype): The piece's dtype.
+
+        Returns:
+            (dict): ``{"velocity": zeros}`` with momentum, else empty.
+        """
         return {"velocity": np.zeros(count, dtype)} if self.momentum else {}
 
     def step(self, param, grad, state, scale=1.0):
+        """One SGD step on ``param`` in place (PyTorch's update rule).
+
+        Args:
+            param (np.ndarray): The parameters, updated in place.
+            grad (np.ndarray): The gradient; overwritten.
+            state (dict): The momentum buffer from ``new_state``.
+            scale (float): A factor on the gradient.
+
+        Returns:
+            (None): Once ``param`` holds the new values.
+        """
         if not self.momentum:
             grad *= param.dtype.type(self.lr * scale)
             param -= grad
@@ -82,11 +158,36 @@ class SGD(Optimizer):
         param -= grad
 
     def config(self):
+        """The hyperparameters, as plain JSON.
+
+        Returns:
+            (dict): ``{"name": "sgd", "lr": ..., "momentum": ...}``.
+
+        Examples:
+            >>> ps.SGD(lr=0.1).config()
+            {'name': 'sgd', 'lr': 0.1, 'momentum': 0.0}
+        """
         return {"name": self.name, "lr": self.lr, "momentum": self.momentum}
 
 
 class Adam(Optimizer):
-    """Adam (Kingma & Ba), bias-corrected, as torch.optim.Adam without weight decay."""
+    """Adam (Kingma & Ba), bias-corrected, as torch.optim.Adam without weight decay.
+
+    Args:
+        lr (float): The learning rate, positive.
+        betas (tuple): The moments' decay rates (b1, b2), each in [0, 1).
+        eps (float): Added to the denominator, positive.
+
+    Raises:
+        ValueError: A bad learning rate, betas or eps.
+
+    Examples:
+        >>> opt = ps.Adam(lr=0.1)
+        >>> p, g = np.zeros(2), np.ones(2)
+        >>> opt.step(p, g, opt.new_state(2, p.dtype))
+        >>> p.round(6)                  # the first step moves each element by lr
+        array([-0.1, -0.1])
+    """
     name = "adam"
 
     def __init__(self, lr: float, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
@@ -98,6 +199,15 @@ class Adam(Optimizer):
         self._scratch: Dict[np.dtype, np.ndarray] = {}
 
     def new_state(self, count, dtype):
+        """Adam's two moments and step count of one piece.
+
+        Args:
+            count (int): The piece's number of elements.
+            dtype (np.dtype): The piece's dtype.
+
+        Returns:
+            (dict): ``{"m": zeros, "v": zeros, "t": [0]}``.
+        """
         return {"m": np.zeros(count, dtype), "v": np.zeros(count, dtype),
                 "t": np.zeros(1, np.int64)}
 
@@ -108,6 +218,17 @@ class Adam(Optimizer):
         return buf[:like.size]
 
     def step(self, param, grad, state, scale=1.0):
+        """One Adam step on ``param`` in place (torch.optim.Adam's update rule).
+
+        Args:
+            param (np.ndarray): The parameters, updated in place.
+            grad (np.ndarray): The gradient; overwritten.
+            state (dict): This piece's moments and step count from ``new_state``.
+            scale (float): A factor on the gradient.
+
+        Returns:
+            (None): Once ``param`` holds the new values.
+        """
         b1, b2 = self.betas
         f = param.dtype.type
         m, v, t = state["m"], state["v"], state["t"]
@@ -131,6 +252,11 @@ class Adam(Optimizer):
         param -= tmp
 
     def config(self):
+        """The hyperparameters, as plain JSON.
+
+        Returns:
+            (dict): ``{"name": "adam", "lr": ..., "betas": [...], "eps": ...}``.
+        """
         return {"name": self.name, "lr": self.lr, "betas": list(self.betas), "eps": self.eps}
 
 

@@ -100,7 +100,24 @@ def key_table(arrays: Mapping[str, object]) -> Tuple[KeySpec, ...]:
 
 
 class Plan:
-    """The pieces of every key and the server of every piece."""
+    """The pieces of every key and the server of every piece.
+
+    A pure function of (key table, num_servers, chunk_bytes): every worker and server computes
+    the same plan independently.
+
+    Args:
+        table (Sequence[KeySpec]): The keys (``key_table`` of a ``{name: array}`` dict).
+        num_servers (int): How many servers share the keys.
+        chunk_bytes (int): Arrays above this size are cut into pieces.
+
+    Raises:
+        ValueError: A bad num_servers or chunk_bytes, or duplicate key names.
+
+    Examples:
+        >>> plan = Plan(key_table({"a": np.zeros(4), "b": np.zeros(4)}), 2, chunk_bytes=1 << 20)
+        >>> [p.name for p in plan.on_server(0)], [p.name for p in plan.on_server(1)]
+        (['a'], ['b'])
+    """
 
     def __init__(self, table: Sequence[KeySpec], num_servers: int, chunk_bytes: int):
         if not isinstance(num_servers, int) or num_servers < 1:
@@ -134,10 +151,31 @@ class Plan:
                 and self.num_servers == other.num_servers and self.chunk_bytes == other.chunk_bytes)
 
     def on_server(self, server: int) -> List[Piece]:
-        """The pieces ``server`` holds, in canonical order."""
+        """The pieces ``server`` holds, in canonical order.
+
+        Args:
+            server (int): A server, 0..num_servers-1.
+
+        Returns:
+            (list): The ``Piece`` objects on that server.
+
+        Examples:
+            >>> plan = Plan(key_table({"w": np.zeros(8)}), 2, chunk_bytes=32)
+            >>> [(p.offset, p.count) for p in plan.on_server(1)]
+            [(4, 4)]
+        """
         return [p for s in self.table for p in self.pieces[s.name] if p.server == server]
 
     def bytes_per_server(self) -> List[int]:
+        """How many bytes of the model each server holds.
+
+        Returns:
+            (list): One int per server.
+
+        Examples:
+            >>> Plan(key_table({"w": np.zeros(8)}), 2, chunk_bytes=32).bytes_per_server()
+            [32, 32]
+        """
         out = [0] * self.num_servers
         for ps in self.pieces.values():
             for p in ps:
@@ -145,4 +183,18 @@ class Plan:
         return out
 
     def pieces_of(self, names: Iterable[str], server: int) -> List[Piece]:
+        """The pieces of the keys ``names`` that ``server`` holds.
+
+        Args:
+            names (Iterable[str]): Key names.
+            server (int): A server, 0..num_servers-1.
+
+        Returns:
+            (list): The ``Piece`` objects, key by key.
+
+        Examples:
+            >>> plan = Plan(key_table({"w": np.zeros(8)}), 2, chunk_bytes=32)
+            >>> [p.index for p in plan.pieces_of(["w"], 0)]
+            [0]
+        """
         return [p for n in names for p in self.pieces[n] if p.server == server]

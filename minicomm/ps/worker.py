@@ -41,7 +41,24 @@ class _Outstanding:
 
 
 class Worker:
-    """A worker's handle on the parameter servers (``ps.start`` returns it on worker ranks)."""
+    """A worker's handle on the parameter servers (``ps.start`` returns it on worker ranks).
+
+    One thread per worker. Keys, their shapes and dtypes are fixed by ``init``; gradients are
+    cast to the key's dtype. A worker is a context manager that closes on exit.
+
+    Attributes:
+        rank (int): This worker's rank in the job's communicator.
+        num_servers (int): How many servers hold the keys.
+        staleness (int | None): The consistency model (see ``ps.start``).
+        resumed (bool): Whether the servers restarted from a checkpoint.
+
+    Examples:
+        >>> kv = ps.start(comm, num_servers=1)  # doctest: +SKIP
+        >>> if kv is not None:  # doctest: +SKIP
+        ...     with kv:
+        ...         kv.init({"w": np.zeros(2)})
+        ...         new = kv.pushpull({"w": np.ones(2)})
+    """
 
     def __init__(self, comm, num_servers: int, workers: Sequence[int], staleness,
                  chunk_bytes: int):
@@ -66,11 +83,20 @@ class Worker:
     # ------------------------------------------------------------------ properties
     @property
     def clock(self) -> int:
-        """Pushes this worker has made (after a resume: counted from the checkpoint)."""
+        """Pushes this worker has made (after a resume: counted from the checkpoint).
+
+        Returns:
+            (int): The clock; under staleness k a pull waits for the slowest worker to be within k.
+        """
         return max(self._clocks)
 
     @property
     def keys(self) -> List[str]:
+        """The names of the keys ``init`` gave, in the plan's order (by utf-8 name).
+
+        Returns:
+            (list): The key names; empty before ``init``.
+        """
         return [s.name for s in self.plan.table] if self.plan else []
 
     # ------------------------------------------------------------------ plumbing
@@ -167,9 +193,26 @@ class Worker:
     # ------------------------------------------------------------------ the API
     def init(self, arrays: Mapping[str, object]) -> None:
         """Give the keys and their initial values; the lowest-ranked worker's values win.
-        Every worker must call it with the same keys, shapes and dtypes; returns when all have.
+
+        Every worker must call it with the same keys, shapes and dtypes; it returns when all have.
         After a resume the servers keep their checkpointed values and ``clock`` says where
-        training stands."""
+        training stands.
+
+        Args:
+            arrays (Mapping): ``{name: array}``: str names, floating-point arrays.
+
+        Returns:
+            (None): Once every worker has called it.
+
+        Raises:
+            RuntimeError: Called twice.
+            TypeError: A name that is not a str, or an array that is not floating-point.
+            ValueError: No keys, a bad name, or too many dimensions.
+            MismatchError: Workers gave different keys, shapes or dtypes.
+
+        Examples:
+            >>> kv.init({"w1": np.zeros((4, 4)), "b1": np.zeros(4)})  # doctest: +SKIP
+        """
         self._check_open("init")
         if self.plan is not None:
             raise RuntimeError("ps.Worker.init: already initialized")
@@ -209,10 +252,29 @@ class Worker:
 
     def pull(self, keys: Iterable[str], out: Optional[Mapping[str, np.ndarray]] = None
              ) -> Dict[str, np.ndarray]:
-        """The current values of ``keys`` (a dict of new arrays; with ``out=`` a dict of
-        arrays to fill, it fills and returns those). Under staleness 0 it waits until every
-        worker's push of this worker's last clock is applied; under k, until the slowest worker
-        is at most k clocks behind."""
+        """The current values of ``keys``.
+
+        Under staleness 0 it waits until every worker's push of this worker's last clock is
+        applied; under k, until the slowest worker is at most k clocks behind.
+
+        Args:
+            keys (Iterable[str]): The names to fetch (one name is fine).
+            out (Mapping | None): ``{name: array}`` to fill instead of new arrays (each a writeable
+                C-contiguous array of the key's shape and dtype).
+
+        Returns:
+            (dict): ``{name: array}``: new arrays, or the ``out`` arrays filled.
+
+        Raises:
+            RuntimeError: Before ``init``, or after ``close``.
+            TypeError: A name that is not a str.
+            ValueError: A name ``init`` did not give, or an ``out`` array of the wrong shape, dtype
+                or layout.
+            PeerFailure: A server died.
+
+        Examples:
+            >>> params = kv.pull(["w1", "b1"])  # doctest: +SKIP
+        """
         self._check_ready("pull")
         if isinstance(keys, str):
             keys = [keys]
@@ -231,10 +293,29 @@ class Worker:
         return results
 
     def push(self, grads: Mapping[str, object], wait: bool = True) -> int:
-        """Send gradients; with ``wait`` (default) return once the servers applied them
-        (staleness 0: once every worker's gradients of this clock were averaged and applied).
-        Returns a timestamp for ``wait``; with ``wait=False`` the arrays must stay unchanged
-        until ``wait(ts)``."""
+        """Send gradients; with ``wait`` (default) return once the servers applied them.
+
+        Staleness 0: once every worker's gradients of this clock were averaged and applied.
+
+        Args:
+            grads (Mapping): ``{name: gradient}`` for some or all keys.
+            wait (bool): Wait for the servers; False returns at once, and the arrays must then stay
+                unchanged until ``wait(ts)``.
+
+        Returns:
+            (int): A timestamp for ``wait``.
+
+        Raises:
+            RuntimeError: Before ``init``, or after ``close``.
+            TypeError: Not a dict, or a gradient of a dtype that does not fit its key.
+            ValueError: No gradients, a name ``init`` did not give, or a shape that differs from its
+                key's.
+            PeerFailure: A server died (in synchronous mode, also a worker).
+
+        Examples:
+            >>> ts = kv.push({"w1": np.ones((4, 4))}, wait=False)  # doctest: +SKIP
+            >>> kv.wait(ts)  # doctest: +SKIP
+        """
         ts = self._push(grads, wire.PUSH, "push")
         if wait:
             self.wait(ts)
@@ -242,8 +323,25 @@ class Worker:
 
     def pushpull(self, grads: Mapping[str, object],
                  out: Optional[Mapping[str, np.ndarray]] = None) -> Dict[str, np.ndarray]:
-        """Push gradients, then return the updated values of the same keys (one round trip);
-        ``out=`` as for ``pull``."""
+        """Push gradients, then return the updated values of the same keys (one round trip).
+
+        Args:
+            grads (Mapping): ``{name: gradient}``.
+            out (Mapping | None): Arrays to fill, as for ``pull``.
+
+        Returns:
+            (dict): ``{name: array}`` of the updated values.
+
+        Raises:
+            RuntimeError: Before ``init``, or after ``close``.
+            TypeError: Not a dict, or a gradient of a dtype that does not fit its key.
+            ValueError: A name ``init`` did not give, or a gradient or ``out`` array that does not
+                fit its key.
+            PeerFailure: A server died.
+
+        Examples:
+            >>> params = kv.pushpull({"w1": np.ones((4, 4))})  # doctest: +SKIP
+        """
         ts = self._push(grads, wire.PUSHPULL, "pushpull", out)
         return self.wait(ts)
 
@@ -265,7 +363,22 @@ class Worker:
         return req.seq
 
     def wait(self, ts: int):
-        """Wait for ``push(..., wait=False)``'s timestamp ``ts``."""
+        """Wait for ``push(..., wait=False)``'s timestamp ``ts``.
+
+        Args:
+            ts (int): What ``push`` returned.
+
+        Returns:
+            (dict | None): For a ``pushpull``, the updated values; None for a push.
+
+        Raises:
+            ValueError: No outstanding push with that timestamp.
+            ProtocolError: A server refused the request.
+            PeerFailure: A server died.
+
+        Examples:
+            >>> kv.wait(kv.push(grads, wait=False))  # doctest: +SKIP
+        """
         req = self._outstanding.pop(ts, None)
         if req is None:
             raise ValueError(f"ps.Worker.wait: no outstanding push with timestamp {ts!r}")
@@ -277,7 +390,17 @@ class Worker:
         return req.result
 
     def close(self) -> None:
-        """Finish outstanding pushes and tell every server this worker is done."""
+        """Finish outstanding pushes and tell every server this worker is done.
+
+        Returns:
+            (None): A second close does nothing.
+
+        Raises:
+            PeerFailure: A server died while an outstanding push waited.
+
+        Examples:
+            >>> kv.close()  # doctest: +SKIP
+        """
         if self._closed:
             return
         try:

@@ -1,26 +1,32 @@
-"""``minicomm sim``: predict collectives (and the parameter server) on a modelled cluster.
+"""minicomm sim: predict collectives (and the parameter server) on a modelled cluster.
 
     minicomm sim --topology dgx-h100 --nodes 128 --collective allreduce --sizes 1K:1G --algorithms all
     minicomm sim --topology my.toml --sizes 1M,64M,1G --algorithms ring,hier --json
     minicomm sim --topology dgx-h100 --nodes 16 --sizes 1K:1G --plot busbw.png
     minicomm sim --explain
-    minicomm sim --architecture ps --servers 8 --topology dgx-h100 --nodes 16 --model-bytes 1G
-    minicomm sim --advise --model-bytes 350G --gpus 1024 --topology dgx-h100
+    minicomm sim --architecture ps --servers 8 --topology dgx-h100 --nodes 16 --model-bytes 1GiB
+    minicomm sim --advise --model-bytes 350GB --gpus 1024 --topology dgx-h100
     minicomm sim --compare-interconnects --topology dgx-h100 --nodes 16 --sizes 1G
 
-Sizes (``--sizes``) are nccl-tests sizes (the whole buffer, see ``minicomm bench``): a range
-``A:B`` (x2 steps) or a comma list; each a plain byte count or with K/M/G (powers of 1024).
-``--model-bytes`` counts decimal units (350G = 350e9 B, the GPT-3 fp16 figure; "GiB" for
-powers of 1024). The table prints time and busbw per algorithm and the winner per size, then the
-sizes where the winner changes. ``--json`` prints a JSON list of objects instead, each with at
-least collective, algorithm, bytes, ranks, time_s, algbw, busbw (GB/s = 1e9 B/s).
+One question per run: a size sweep (the default), --architecture ps, --advise,
+--compare-interconnects or --explain; an option the chosen question does not use is an error.
+
+Sizes (--sizes, --model-bytes) have one convention: a byte count, or a number with K, M, G, T
+or KiB, MiB, GiB, TiB (powers of 1024, as in nccl-tests and minicomm bench), or kB, MB, GB, TB
+(powers of 1000: GPT-3's fp16 gradients are 350GB). --sizes is a range A:B (x2 steps) or a
+comma list of nccl-tests sizes (the whole buffer, see minicomm bench). The output prints sizes
+with their unit, times in s / ms / us and bandwidths in GB/s (1 GB = 1e9 B).
+
+The sweep prints time and busbw per algorithm and the winner per size, then the sizes where the
+winner changes and the busiest link. Every question ends with one line starting "Summary:".
+--json prints JSON instead: for the sweep, a list of objects each with at least collective,
+algorithm, bytes, ranks, time_s, algbw, busbw.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import re
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -30,90 +36,95 @@ from . import ps_model
 from .engine import ScheduleError, SimResult, busbw_factor, simulate
 from .presets import INTERCONNECTS, get_topology, link, topologies
 from .topology import Topology
-
-_SUFFIX = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]?)(I?B?)\s*$",
-                     re.IGNORECASE)
-
-
-def parse_size(text: str, decimal: bool = False) -> int:
-    """'4096' -> 4096, '4K' -> 4096, '1G' -> 2**30 (decimal: '350G' -> 350e9; 'GiB' always
-    binary, 'GB' decimal when decimal=True)."""
-    m = _SUFFIX.match(str(text))
-    if not m:
-        raise ValueError(f"size {text!r}: expected a number with an optional K, M, G or T suffix")
-    num, unit, tail = float(m.group(1)), m.group(2).upper(), m.group(3).upper()
-    binary = (not decimal) or tail.startswith("I")
-    mult = {"": 1, "K": 1, "M": 2, "G": 3, "T": 4}[unit]
-    value = num * ((1024 if binary else 1000) ** mult) if unit else num
-    if value != int(value):
-        raise ValueError(f"size {text!r} is not a whole number of bytes")
-    return int(value)
-
-
-def parse_sizes(text: str) -> List[int]:
-    """'1K:1G' (x2 steps, both ends included) or '1K,64M,1G'."""
-    text = str(text).strip()
-    if ":" in text:
-        lo_s, _, hi_s = text.partition(":")
-        lo, hi = parse_size(lo_s), parse_size(hi_s)
-        if lo <= 0 or hi < lo:
-            raise ValueError(f"size range {text!r}: need 0 < start <= end")
-        out = []
-        s = lo
-        while s <= hi:
-            out.append(s)
-            s *= 2
-        return out
-    out = [parse_size(x) for x in text.split(",") if x.strip()]
-    if not out:
-        raise ValueError("no sizes given")
-    return out
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= div and n % div == 0:
-            return f"{int(n // div)}{unit}"
-    return f"{int(n)}"
-
-
-def _fmt_time(t: float) -> str:
-    if t >= 1:
-        return f"{t:.3f} s"
-    if t >= 1e-3:
-        return f"{t * 1e3:.3f} ms"
-    return f"{t * 1e6:.1f} us"
+from .units import describe_link, format_size, format_time, parse_size, parse_sizes, size_units
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", default="dgx-h100",
-                   help=f"a preset ({', '.join(sorted(topologies()))}) or a .toml / .json file")
+                   help=f"a preset ({', '.join(sorted(topologies()))}) or a .toml / .json file "
+                        f"(default: %(default)s)")
     p.add_argument("--nodes", type=int, default=None, help="servers (default: the preset's)")
-    p.add_argument("--collective", default="allreduce",
-                   help=f"one of {', '.join(COLLECTIVES)}")
-    p.add_argument("--sizes", default=None, help="A:B (x2 steps) or a comma list (default 1K:1G)")
-    p.add_argument("--algorithms", default="all",
-                   help=f"'all' or a comma list of {', '.join(FAMILIES)}")
-    p.add_argument("--root", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print a JSON list of rows instead")
-    p.add_argument("--plot", metavar="FILE", help="draw busbw vs size per algorithm (matplotlib)")
-    p.add_argument("--explain", action="store_true",
-                   help="the GPT-3 traffic arithmetic (flat ring vs hier, the 89.6 TB figure)")
-    p.add_argument("--architecture", choices=("allreduce", "ps"), default="allreduce",
-                   help="ps: price a training step's communication with a parameter server too")
-    p.add_argument("--servers", default=None,
-                   help="PS server machines: K or a comma list (default: 1,2,4,... up to nodes)")
-    p.add_argument("--advise", action="store_true",
-                   help="which architecture / algorithm wins for --model-bytes on --gpus")
-    p.add_argument("--model-bytes", default=None, help="gradient bytes per step (350G = 350e9)")
-    p.add_argument("--gpus", type=int, default=None, help="accelerators (sets --nodes)")
-    p.add_argument("--compare-interconnects", action="store_true",
-                   help="the same collective with IB NDR, RoCEv2 and UB between the servers")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="accelerators in all (sets --nodes: a multiple of the server's)")
+    p.add_argument("--collective", default=None,
+                   help=f"one of {', '.join(COLLECTIVES)} (default: allreduce)")
+    p.add_argument("--sizes", default=None,
+                   help="A:B (x2 steps) or a comma list, e.g. 1K:1G or 1MiB,64MiB,1GB "
+                        "(default 1K:1G; with --architecture ps: 1G)")
+    p.add_argument("--algorithms", default=None,
+                   help=f"'all' or a comma list of {', '.join(FAMILIES)} (default: all)")
+    p.add_argument("--root", type=int, default=None,
+                   help="root rank of broadcast, reduce, gather, scatter (default: 0)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--plot", metavar="FILE",
+                   help="sweep: draw busbw vs size per algorithm (matplotlib)")
     p.add_argument("--exact", action="store_true",
                    help="build every rank's schedule (no rank-symmetry shortcut)")
+    q = p.add_argument_group("other questions (one at a time; without them: a size sweep)")
+    q.add_argument("--explain", action="store_true",
+                   help="the GPT-3 traffic arithmetic (flat ring vs hier, the 89.6 TB figure)")
+    q.add_argument("--architecture", choices=("allreduce", "ps"), default=None,
+                   help="ps: price a training step's communication with a parameter server too")
+    q.add_argument("--advise", action="store_true",
+                   help="which architecture / algorithm wins for --model-bytes on --gpus, and why")
+    q.add_argument("--compare-interconnects", action="store_true",
+                   help="the same collective with IB NDR, RoCEv2 and UB between the servers")
+    q.add_argument("--model-bytes", default=None,
+                   help="--advise, --architecture ps: gradient bytes per step (e.g. 350GB, 1GiB)")
+    q.add_argument("--servers", default=None,
+                   help="--advise, --architecture ps: PS server machines, K or a comma list "
+                        "(default: 1,2,4,... up to the nodes)")
+    p.set_defaults(_sim_parser=p)
+
+
+# the options each question uses (--topology, --nodes, --gpus, --json: every question)
+_USES = {
+    "sweep": ("--sizes", "--algorithms", "--collective", "--root", "--plot", "--exact"),
+    "--compare-interconnects": ("--sizes", "--algorithms", "--collective", "--root", "--exact"),
+    "--architecture ps": ("--sizes", "--model-bytes", "--servers", "--algorithms"),
+    "--advise": ("--model-bytes", "--servers", "--algorithms"),
+    "--explain": (),
+}
+
+
+def _given(a) -> Dict[str, bool]:
+    return {"--sizes": a.sizes is not None, "--model-bytes": a.model_bytes is not None,
+            "--servers": a.servers is not None, "--algorithms": a.algorithms is not None,
+            "--collective": a.collective not in (None, "allreduce"),
+            "--root": a.root is not None, "--plot": a.plot is not None, "--exact": a.exact}
+
+
+def check_arguments(a) -> Optional[str]:
+    """Why these options do not go together (None when they do): one question per run, and
+    only the options that question uses."""
+    asked = [q for q, on in (("--explain", a.explain), ("--advise", a.advise),
+                             ("--compare-interconnects", a.compare_interconnects),
+                             ("--architecture ps", a.architecture == "ps")) if on]
+    if len(asked) > 1:
+        return (f"{' and '.join(asked)} are different questions: give one of them per run")
+    mode = asked[0] if asked else "sweep"
+    given = _given(a)
+    if a.collective not in (None, "allreduce") and mode in ("--advise", "--architecture ps"):
+        return f"{mode} prices allreduce (a training step's gradients): drop --collective"
+    for opt, on in given.items():
+        if on and opt not in _USES[mode]:
+            what = "a size sweep (no --advise, --architecture ps, --compare-interconnects " \
+                   "or --explain)" if mode == "sweep" else mode
+            uses = ", ".join(_USES[mode]) or "only --topology, --nodes, --gpus and --json"
+            return f"{opt} does not apply to {what}; it takes {uses}"
+    if mode == "--architecture ps" and given["--sizes"] and given["--model-bytes"]:
+        return "--architecture ps takes --sizes or --model-bytes, not both"
+    return None
 
 
 def main(a) -> int:
+    why = check_arguments(a)
+    if why is not None:
+        parser = getattr(a, "_sim_parser", None)
+        if parser is not None:
+            parser.error(why)              # usage and the reason on stderr, exit status 2
+        print(f"minicomm sim: {why}", file=sys.stderr)
+        return 2
     try:
         return _main(a)
     except (ValueError, FileNotFoundError, ScheduleError) as e:
@@ -134,8 +145,8 @@ def _topology(a) -> Topology:
     return topo.with_servers(nodes) if nodes is not None else topo
 
 
-def _algorithms(text: str, topo: Topology) -> List[str]:
-    if text.strip() == "all":
+def _algorithms(text: Optional[str], topo: Topology) -> List[str]:
+    if text is None or text.strip() == "all":
         algos = list(FAMILIES)
     else:
         algos = [x.strip() for x in text.split(",") if x.strip()]
@@ -146,8 +157,22 @@ def _algorithms(text: str, topo: Topology) -> List[str]:
     return algos
 
 
+def _n(count: int, noun: str) -> str:
+    """'1 server', '8 servers'."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _cluster(topo: Topology) -> str:
+    """The topology in a few words, for summaries."""
+    return (f"{_n(topo.servers, 'server')} x {_n(topo.gpus_per_server, 'accelerator')} "
+            f"({topo.endpoints} in all, {topo.nics_per_server} x {topo.nic_link.name} NICs "
+            f"per server)")
+
+
 def _main(a) -> int:
     topo = _topology(a)
+    a.collective = a.collective or "allreduce"
+    a.root = a.root or 0
     if a.collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {a.collective!r}; choose one of {', '.join(COLLECTIVES)}")
     if a.explain:
@@ -172,6 +197,8 @@ def _main(a) -> int:
         plot(results, algos, a.plot, f"{a.collective} on {topo.name}, {topo.endpoints} ranks")
         if not a.json:
             print(f"wrote {a.plot}")
+    if not a.json:
+        print(sweep_summary(topo, a.collective, results))
     return 0
 
 
@@ -202,7 +229,7 @@ def crossovers(results: Sequence[SimResult]) -> List[str]:
     lines = []
     for (b0, a0, _), (b1, a1, _) in zip(w, w[1:]):
         if a0 != a1:
-            lines.append(f"{a0} -> {a1} between {_fmt_bytes(b0)} and {_fmt_bytes(b1)}")
+            lines.append(f"{a0} -> {a1} between {format_size(b0)} and {format_size(b1)}")
     return lines
 
 
@@ -217,16 +244,56 @@ def pair_crossovers(results: Sequence[SimResult], a: str, b: str) -> List[str]:
         w1 = t[(b, s1)] < t[(a, s1)]
         if w0 != w1:
             out.append(f"{b} {'stops' if w0 else 'starts'} beating {a} between "
-                       f"{_fmt_bytes(s0)} and {_fmt_bytes(s1)}")
+                       f"{format_size(s0)} and {format_size(s1)}")
     return out
+
+
+def _busiest(r: SimResult) -> str:
+    """The busiest link of a call in words, with its bytes and how busy it was."""
+    return (f"{describe_link(r.busiest_link)}: "
+            f"{format_size(r.busiest_link_bytes, size_units(r.bytes))} through it, "
+            f"busy {100 * r.busiest_link_utilisation:.0f}% of the call ({format_time(r.time_s)})")
+
+
+def sweep_summary(topo: Topology, collective: str, results: Sequence[SimResult]) -> str:
+    """One line: which algorithm is fastest over which sizes, and by how much at the largest."""
+    w = winners(results)
+    if not w:
+        return f"Summary: no sizes simulated on {_cluster(topo)}."
+    runs: List[List] = []
+    for b, algo, _ in w:
+        if runs and runs[-1][0] == algo:
+            runs[-1][2] = b
+        else:
+            runs.append([algo, b, b])
+    if len(runs) == 1:
+        algo, lo, hi = runs[0]
+        ranges = (f"{algo} is the fastest at every size from {format_size(lo)} to "
+                  f"{format_size(hi)}" if lo != hi else f"{algo} is the fastest")
+    else:
+        ranges = "fastest: " + ", ".join(
+            f"{algo} {format_size(lo)}" + (f"-{format_size(hi)}" if hi != lo else "")
+            for algo, lo, hi in runs)
+    big, best, t_best = w[-1]
+    at_big = [r for r in results if r.bytes == big]
+    worst = max(at_big, key=lambda r: r.time_s)
+    busbw = next(r.busbw for r in at_big if r.algorithm == best)
+    tail = (f"; at {format_size(big)} {best} takes {format_time(t_best)} "
+            f"(busbw {busbw:.1f} GB/s)")
+    if worst.algorithm != best:
+        tail += f", {worst.time_s / t_best:.1f}x faster than {worst.algorithm}"
+    return f"Summary: {collective} on {_cluster(topo)}: {ranges}{tail}."
 
 
 def render_table(topo: Topology, collective: str, results: Sequence[SimResult],
                  algos: Sequence[str]) -> str:
     p = results[0].ranks if results else topo.endpoints
     lines = [f"# {topo.describe()}",
-             f"# {collective}, {p} ranks; time and busbw (GB/s) per algorithm, nccl-tests sizes"]
-    head = f"{'size':>8} {'count':>11}" + "".join(f" {a + ' time':>13} {'busbw':>7}" for a in algos)
+             f"# {collective}, {p} ranks, one per accelerator. size: the whole buffer (as "
+             f"nccl-tests counts it); count: its float32 elements; time: one call; busbw: "
+             f"nccl-tests bus bandwidth, GB/s (1 GB = 1e9 B)"]
+    head = (f"{'size':>8} {'count':>11}"
+            + "".join(f" {a + ' time':>13} {'busbw GB/s':>10}" for a in algos))
     lines.append(head + "   winner")
     by: Dict[int, Dict[str, SimResult]] = {}
     for r in results:
@@ -235,9 +302,9 @@ def render_table(topo: Topology, collective: str, results: Sequence[SimResult],
     for b in sorted(by):
         row = by[b]
         cnt = next(iter(row.values())).count
-        cells = "".join(f" {_fmt_time(row[a].time_s):>13} {row[a].busbw:7.2f}" if a in row
-                        else f" {'-':>13} {'-':>7}" for a in algos)
-        lines.append(f"{_fmt_bytes(b):>8} {cnt:>11}{cells}   {w[b]}")
+        cells = "".join(f" {format_time(row[a].time_s):>13} {row[a].busbw:10.2f}" if a in row
+                        else f" {'-':>13} {'-':>10}" for a in algos)
+        lines.append(f"{format_size(b):>8} {cnt:>11}{cells}   {w[b]}")
     cx = crossovers(results)
     lines.append("# winner changes: " + ("; ".join(cx) if cx else "none (one winner throughout)"))
     if "ring" in algos:
@@ -254,13 +321,13 @@ def render_table(topo: Topology, collective: str, results: Sequence[SimResult],
                 continue
             lo, hi = both[0], both[-1]
             verb = "beats" if t[(other, lo)] < t[("ring", lo)] else "loses to"
-            lines.append(f"# {other} {verb} ring at every size ({t[('ring', lo)] / t[(other, lo)]:.1f}x "
-                         f"at {_fmt_bytes(lo)}, {t[('ring', hi)] / t[(other, hi)]:.1f}x at "
-                         f"{_fmt_bytes(hi)})")
+            lines.append(f"# {other} {verb} ring at every size (ring time / {other} time: "
+                         f"{t[('ring', lo)] / t[(other, lo)]:.1f}x at {format_size(lo)}, "
+                         f"{t[('ring', hi)] / t[(other, hi)]:.1f}x at {format_size(hi)})")
     last = by[max(by)]
     best = min(last.values(), key=lambda r: r.time_s)
-    lines.append(f"# busiest link at {_fmt_bytes(best.bytes)} ({best.algorithm}): "
-                 f"{best.busiest_link}, {100 * best.busiest_link_utilisation:.0f}% busy")
+    lines.append(f"# busiest link at {format_size(best.bytes)} ({best.algorithm}): "
+                 f"{_busiest(best)}")
     return "\n".join(lines)
 
 
@@ -306,18 +373,48 @@ def _step_rows(topo: Topology, model: float, prices) -> List[dict]:
     rows = []
     for pr in prices:
         algbw = model / pr.time_s / 1e9 if pr.time_s > 0 else 0.0
-        rows.append({"collective": "allreduce" if pr.architecture == "allreduce" else "ps-step",
-                     "algorithm": pr.algorithm if pr.architecture == "allreduce"
-                     else f"{pr.architecture}:{pr.servers}",
-                     "architecture": pr.architecture, "servers": pr.servers,
-                     "bytes": int(model), "ranks": p, "time_s": pr.time_s, "algbw": algbw,
-                     "busbw": algbw * busbw_factor("allreduce", p), "detail": pr.detail})
+        row = {"collective": "allreduce" if pr.architecture == "allreduce" else "ps-step",
+               "algorithm": pr.algorithm if pr.architecture == "allreduce"
+               else f"{pr.architecture}:{pr.servers}",
+               "architecture": pr.architecture, "servers": pr.servers,
+               "bytes": int(model), "ranks": p, "time_s": pr.time_s, "algbw": algbw,
+               "busbw": algbw * busbw_factor("allreduce", p), "detail": pr.detail}
+        if pr.result is not None:
+            row.update(busiest_link=pr.result.busiest_link,
+                       busiest_link_bytes=pr.result.busiest_link_bytes,
+                       network_bytes=pr.result.link_bytes_by_kind.get("nic_out", 0.0))
+        rows.append(row)
     return rows
 
 
+def _ps_legend(topo: Topology) -> str:
+    machine_bw = topo.nic_link.bandwidth * topo.nics_per_server
+    return (f"# ps:k = a parameter server on k extra machines, each with a worker machine's "
+            f"{topo.nics_per_server} NICs ({machine_bw / 1e9:.0f} GB/s); ps-colocated:n = a server "
+            f"on each of the n worker machines; intra = reduce-scatter + allgather inside each "
+            f"server; push/pull = gradients to the servers and parameters back; closed form = "
+            f"BytePS' bandwidth-only estimate of push/pull")
+
+
+def _step_summary(rows: Sequence[dict], model: float, p: int) -> str:
+    best = min(rows, key=lambda r: r["time_s"])
+    if best["architecture"] == "allreduce":
+        other = [r for r in rows if r["architecture"] != "allreduce"]
+        kind = "the best parameter server"
+    else:
+        other = [r for r in rows if r["architecture"] == "allreduce"]
+        kind = "the best allreduce"
+    text = (f"for {format_size(model)} of gradients per step on {p} accelerators, "
+            f"{best['algorithm']} is the fastest ({format_time(best['time_s'])})")
+    if other:
+        o = min(other, key=lambda r: r["time_s"])
+        text += (f"; {kind}, {o['algorithm']}, takes {format_time(o['time_s'])} "
+                 f"({o['time_s'] / best['time_s']:.2f}x)")
+    return text
+
+
 def _ps(a, topo: Topology) -> int:
-    models = ([parse_size(a.model_bytes, decimal=True)] if a.model_bytes
-              else parse_sizes(a.sizes or "1G"))
+    models = ([parse_size(a.model_bytes)] if a.model_bytes else parse_sizes(a.sizes or "1G"))
     ks = _server_counts(a.servers, topo.servers)
     algos = _algorithms(a.algorithms, topo)
     rows = []
@@ -331,28 +428,104 @@ def _ps(a, topo: Topology) -> int:
     print("# one data-parallel step's communication: allreduce over all accelerators vs a "
           "parameter server")
     print("# (PS: intra-server ring reduce-scatter, push/pull between machines with each machine's "
-          f"{topo.nics_per_server} NICs, intra allgather; servers = separate machines with the "
-          "same bandwidth; ps-colocated: a server on every machine)")
+          f"{topo.nics_per_server} NICs, intra-server allgather)")
+    print(_ps_legend(topo))
+    summaries = []
     for model in models:
         sub = [r for r in rows if r["bytes"] == int(model)]
-        print(f"\nmodel {model / 1e9:g} GB:")
+        print(f"\nmodel {format_size(model)} of gradients:")
         for r in sorted(sub, key=lambda r: r["time_s"]):
-            print(f"  {r['algorithm']:>16}  {_fmt_time(r['time_s']):>12}   {r['detail']}")
+            print(f"  {r['algorithm']:>16}  {format_time(r['time_s']):>12}   {r['detail']}")
         best = min(sub, key=lambda r: r["time_s"])
         print(f"  winner: {best['algorithm']}")
+        summaries.append(_step_summary(sub, model, topo.endpoints))
+    print("Summary: " + "; ".join(summaries) + ".")
     return 0
+
+
+def _alpha(topo: Topology) -> float:
+    """One message's latency between servers: the NIC's plus the switches it crosses."""
+    return topo.nic_link.latency + (3 if topo.tiers > 1 else 1) * topo.switch_latency
+
+
+def why(row: dict, price, topo: Topology, model: float) -> str:
+    """Why one priced way of a step takes the time it does, from its numbers: the bytes through
+    its network links against the least an allreduce needs (2(n-1)/n·M per machine), and, where
+    it needs more, what in its structure adds them (a power of two it does not have, one NIC of
+    several, a tree's whole-vector levels)."""
+    n, nics, p = topo.servers, topo.nics_per_server, topo.endpoints
+    name = row["algorithm"]
+    u = size_units(model)                          # every size below derives from M
+    least = 2 * (n - 1) / n * model                # bytes out of each machine, at least
+    if row["architecture"] == "ps-colocated":
+        return (f"{name} sends 2(n-1)/n·M = {format_size(least, u)} out of each machine, the least "
+                f"an allreduce can, whatever n is")
+    if row["architecture"] == "ps":
+        k = row["servers"]
+        server, worker = n * model / k, model
+        pace = ("its k server machines' links set the pace" if server > worker
+                else "the workers' links set the pace")
+        return (f"{name}: each of its k = {k} server machines carries n·M/k = "
+                f"{format_size(server, u)} each way, each worker M = {format_size(worker, u)}: {pace}")
+    r = price.result
+    if r is None:
+        return f"{name}: not simulated"
+    if n == 1:
+        return (f"{name}: on one server nothing crosses the network; its busiest link is "
+                f"{describe_link(r.busiest_link)}, busy {100 * r.busiest_link_utilisation:.0f}% "
+                f"of the call")
+    least_nic = least / nics
+    total = r.link_bytes_by_kind.get("nic_out", 0.0)
+    on_nic = r.busiest_link.startswith("NIC ")
+    sent = r.busiest_link_bytes if on_nic else total / (n * nics)
+    who = (f"busiest NIC ({describe_link(r.busiest_link)}) sends" if on_nic
+           else "NICs send on average")
+    ratio = sent / least_nic
+    if ratio <= 1.1:
+        text = (f"{name} is bandwidth-optimal on the network here: its {who} "
+                f"{format_size(sent, u)}, the least any allreduce needs, 2(n-1)/n·M/{nics} = "
+                f"{format_size(least_nic, u)} per NIC")
+    else:
+        text = (f"{name}'s {who} {ratio:.2f}x the least an allreduce needs: {format_size(sent, u)} "
+                f"against 2(n-1)/n·M/{nics} = {format_size(least_nic, u)} per NIC")
+        q = n if name == "hier" else p
+        unit = "servers" if name == "hier" else "ranks"
+        if name in ("rhd", "hier") and q & (q - 1):
+            p2 = 1 << (q.bit_length() - 1)
+            text += (f", because its recursive halving/doubling "
+                     f"{'between the servers' if name == 'hier' else 'over all ranks'} needs a "
+                     f"power of two: {q} = {p2} + {q - p2}, so {q - p2} {unit} first hand their "
+                     f"data to a partner and get the result back, on top of the partners' share")
+        elif name == "ring" and on_nic and total > 0 and \
+                r.busiest_link_bytes / (total / (n * nics)) >= nics / 2 > 0.5:
+            text += (f", because a flat ring leaves each server through one NIC of its {nics}")
+        elif name == "tree":
+            text += ", because a tree forwards the whole vector at every level"
+        elif total > 1.05 * 2 * (n - 1) * model:
+            text += (f", because it puts {total / (2 * (n - 1) * model):.2f}x the least bytes on "
+                     f"the network")
+    bw_time = sent / topo.nic_link.bandwidth
+    if r.time_s > 0 and bw_time < 0.3 * r.time_s:
+        text += (f"; those bytes take {format_time(bw_time)} of its {format_time(r.time_s)}: "
+                 f"per-message latency (α = {format_time(_alpha(topo))} per message between "
+                 f"servers) and the intra-server phases take the rest")
+    return text
 
 
 def _advise(a, topo: Topology) -> int:
     """The seed's selection question, computed: on these accelerators, allreduce (each family) or
     a parameter server (colocated: no extra machines; or k extra server machines) for one step's
-    gradients; the winner, by how much, and where the answer changes with model size and k."""
+    gradients; the winner, by how much, why, and where the answer changes with model size and k."""
     if not a.model_bytes:
-        raise ValueError("--advise needs --model-bytes (e.g. 350G)")
-    model = parse_size(a.model_bytes, decimal=True)
+        raise ValueError("--advise needs --model-bytes (e.g. 350GB)")
+    model = parse_size(a.model_bytes)
+    u = size_units(model)                          # sizes derived from M print in its units
     n = topo.servers
     ks = _server_counts(a.servers, n)
-    rows = _step_rows(topo, model, ps_model.price_step(topo, model, ks))
+    algos = _algorithms(a.algorithms, topo)
+    prices = ps_model.price_step(topo, model, ks, algos)
+    rows = _step_rows(topo, model, prices)
+    price_of = {row["algorithm"]: pr for row, pr in zip(rows, prices)}
     ranked = sorted(rows, key=lambda r: r["time_s"])
     same_hw = [r for r in ranked if r["architecture"] != "ps"]     # no extra machines
     best, second = same_hw[0], (same_hw[1] if len(same_hw) > 1 else None)
@@ -367,59 +540,85 @@ def _advise(a, topo: Topology) -> int:
     sweep_models = [model * f for f in (1e-6, 1e-4, 1e-2, 1.0)]
     by_size = []
     for m in sweep_models:
-        pr = _step_rows(topo, m, ps_model.price_step(topo, m, [n], colocated=True))
+        pr = _step_rows(topo, m, ps_model.price_step(topo, m, [n], algos, colocated=True))
         hw = min((r for r in pr if r["architecture"] != "ps"), key=lambda r: r["time_s"])
         ps_n = next(r for r in pr if r["architecture"] == "ps")
         by_size.append((m, hw["algorithm"], hw["time_s"], ps_n["time_s"]))
-    size_cx = [f"{w0} -> {w1} between {m0 / 1e9:.3g} GB and {m1 / 1e9:.3g} GB"
+    size_cx = [f"{w0} -> {w1} between {format_size(m0, u)} and {format_size(m1, u)}"
                for (m0, w0, _, _), (m1, w1, _, _) in zip(by_size, by_size[1:]) if w0 != w1]
+    # why the winner wins, and why the runner-up and the best of the other kind do not
+    explained = [best] + [r for r in (second, best_ar) if r is not None and r is not best]
+    reasons = []
+    for r in explained:
+        if r not in [x for x, _ in reasons]:
+            reasons.append((r, why(r, price_of[r["algorithm"]], topo, model)))
+    margin = (second["time_s"] / best["time_s"]) if second else None
+    summary = (f"Summary: for {format_size(model, u)} of gradients per step on {topo.endpoints} "
+               f"accelerators ({_n(n, 'server')}), use {best['algorithm']}: "
+               f"{format_time(best['time_s'])} per step"
+               + ((f", {margin:.2f}x faster than {second['algorithm']}" if margin >= 1.02 else
+                   f", tied with {second['algorithm']} ({margin:.3f}x)") if second else ""))
+    if ps_rows:
+        fastest = min(ps_rows, key=lambda r: r["time_s"])
+        if fastest["time_s"] < best["time_s"]:
+            summary += (f"; with {_n(fastest['servers'], 'extra server machine')} "
+                        f"{fastest['algorithm']} takes {format_time(fastest['time_s'])}")
+    summary += "."
     out = {"model_bytes": model, "gpus": topo.endpoints, "topology": topo.name,
            "winner": best["algorithm"], "winner_architecture": best["architecture"],
            "winner_time_s": best["time_s"],
            "runner_up": second["algorithm"] if second else None,
-           "margin": (second["time_s"] / best["time_s"]) if second else None,
+           "margin": margin,
            "best_allreduce": best_ar["algorithm"], "best_allreduce_time_s": best_ar["time_s"],
            "best_with_server_machines": ps_rows[-1]["algorithm"] if ps_rows else None,
            "ps_servers_to_match": k_star, "ps_servers_beating_simulated": k_sim,
            "winners_by_model_size": [{"model_bytes": m, "winner": w, "time_s": t,
                                       f"ps_{n}_servers_time_s": tp}
                                      for m, w, t, tp in by_size],
+           "why": {r["algorithm"]: text for r, text in reasons},
+           "summary": summary[len("Summary: "):],
            "rows": rows}
     if a.json:
         print(json.dumps(out, indent=1))
         return 0
     print(f"# {topo.describe()}")
-    print(f"# {model / 1e9:g} GB of gradients per step (GPT-3 175B fp16: 350 GB), "
-          f"{topo.endpoints} accelerators, data parallel; ps:k = k extra server machines of "
-          f"{machine_bw / 1e9:.0f} GB/s each (a worker machine's NICs, BytePS' assumption)")
+    print(f"# M = {format_size(model, u)} of gradients per step (GPT-3 175B in fp16: 350 GB), "
+          f"{topo.endpoints} accelerators on n = {_n(n, 'machine')}, data parallel")
+    print(_ps_legend(topo))
     for r in ranked:
-        print(f"  {r['algorithm']:>16}  {_fmt_time(r['time_s']):>12}   {r['detail']}")
+        print(f"  {r['algorithm']:>16}  {format_time(r['time_s']):>12}   {r['detail']}")
     print(f"winner on these {topo.endpoints} accelerators (no extra machines): "
-          f"{best['algorithm']} ({best['architecture']}), {_fmt_time(best['time_s'])}"
-          + ((f", {second['time_s'] / best['time_s']:.2f}x faster than {second['algorithm']}"
-              if second['time_s'] / best['time_s'] >= 1.02 else
-              f", a tie with {second['algorithm']} ({second['time_s'] / best['time_s']:.3f}x: "
-              f"both move 2(n-1)/n M per machine)") if second else ""))
+          f"{best['algorithm']} ({best['architecture']}), {format_time(best['time_s'])}"
+          + ((f", {margin:.2f}x faster than {second['algorithm']}" if margin >= 1.02 else
+              f", a tie with {second['algorithm']} ({margin:.3f}x)") if second else ""))
+    for r, text in reasons:
+        print(f"why {'it wins' if r is best else 'not ' + r['algorithm']}: {text}")
     if ps_rows:
         fastest = min(ps_rows, key=lambda r: r["time_s"])
         verdict = ("faster" if fastest["time_s"] < best["time_s"] else "slower")
-        print(f"with extra server machines: {fastest['algorithm']} {_fmt_time(fastest['time_s'])}, "
+        print(f"with extra server machines: {fastest['algorithm']} "
+              f"{format_time(fastest['time_s'])}, "
               f"{max(best['time_s'], fastest['time_s']) / min(best['time_s'], fastest['time_s']):.2f}x "
               f"{verdict} than {best['algorithm']}")
+    symbols = (f"n = {_n(n, 'worker machine')}, M = {format_size(model, u)} of gradients, "
+               f"B = {machine_bw / 1e9:.0f} GB/s per machine, t = {best['algorithm']}'s "
+               f"{format_time(best['time_s'])}, t_intra = {format_time(intra)} inside the servers")
     if math.isfinite(k_star) and k_star > 0:
-        print(f"server-count crossover: a separate PS beats {best['algorithm']} from k = n M / "
-              f"(B (t - t_intra)) = {k_star:.1f} server machines for {n} workers (closed form); "
+        print(f"server-count crossover: a separate PS beats {best['algorithm']} from "
+              f"k = n M / (B (t - t_intra)) = {k_star:.1f} server machines, where {symbols} "
+              f"(closed form); "
               + (f"simulated: k = {k_sim} is the first of {[r['servers'] for r in ps_rows]} "
                  f"that does" if k_sim else
                  f"simulated: none of k = {[r['servers'] for r in ps_rows]} does"))
     else:
-        print(f"server-count crossover: none — intra-server phases plus one worker's push M/B "
-              f"already exceed {best['algorithm']}")
+        print(f"server-count crossover: none — t_intra + M/B (one worker's push) already "
+              f"exceeds t, where {symbols}")
     print("model-size crossover (no extra machines): "
           + ("; ".join(size_cx) if size_cx else
-             f"none between {sweep_models[0] / 1e9:.3g} GB and {model / 1e9:g} GB"))
-    print("  " + "; ".join(f"{m / 1e9:.3g} GB: {w} {_fmt_time(t)} (ps:{n} {_fmt_time(tp)})"
+             f"none between {format_size(sweep_models[0], u)} and {format_size(model, u)}"))
+    print("  " + "; ".join(f"{format_size(m, u)}: {w} {format_time(t)} (ps:{n} {format_time(tp)})"
                            for m, w, t, tp in by_size))
+    print(summary)
     return 0
 
 
@@ -441,21 +640,34 @@ def _compare(a, topo: Topology) -> int:
         return 0
     print(f"# {topo.describe()}")
     print(f"# {a.collective} on the same {topo.servers} servers x {topo.gpus_per_server}, with "
-          f"each interconnect between them ({topo.nics_per_server} NICs per server):")
+          f"each interconnect between them ({topo.nics_per_server} NICs per server); α = the "
+          f"latency of one message on the link, paid again at every switch it crosses:")
     for label, name, sw in INTERCONNECTS:
         ln = link(name)
-        print(f"#   {label}: {ln.bandwidth / 1e9:g} GB/s effective of {ln.line_rate / 1e9:g} line, "
-              f"α {ln.latency * 1e6:g} us + {sw * 1e6:g} us per switch"
+        print(f"#   {label}: {ln.bandwidth / 1e9:g} GB/s effective of {ln.line_rate / 1e9:g} GB/s "
+              f"line rate per NIC, α {ln.latency * 1e6:g} us + {sw * 1e6:g} us per switch"
               f"{'  (illustrative)' if ln.illustrative else ''}")
-    print(f"{'interconnect':>14} {'size':>6}" + "".join(f" {x + ' time':>13} {'busbw':>7}"
-                                                     for x in algos) + "   best")
+    print(f"{'interconnect':>14} {'size':>8}" + "".join(f" {x + ' time':>13} {'busbw GB/s':>10}"
+                                                       for x in algos) + "   best")
+    best_of: Dict[Tuple[str, int], dict] = {}
     for label, _, _ in INTERCONNECTS:
         for s in sizes:
             sub = {r["algorithm"]: r for r in rows if r["interconnect"] == label
                    and r["requested_bytes"] == s}
-            cells = "".join(f" {_fmt_time(sub[x]['time_s']):>13} {sub[x]['busbw']:7.2f}"
-                            if x in sub else f" {'-':>13} {'-':>7}" for x in algos)
-            best = min(sub.values(), key=lambda r: r["time_s"])
-            print(f"{label:>14} {_fmt_bytes(s):>6}{cells}   {best['algorithm']} "
-                  f"{best['busbw']:.1f} GB/s")
+            cells = "".join(f" {format_time(sub[x]['time_s']):>13} {sub[x]['busbw']:10.2f}"
+                            if x in sub else f" {'-':>13} {'-':>10}" for x in algos)
+            best = best_of[(label, s)] = min(sub.values(), key=lambda r: r["time_s"])
+            print(f"{label:>14} {format_size(s):>8}{cells}   {best['algorithm']} "
+                  f"{best['busbw']:.1f} GB/s busbw")
+    parts = []
+    for s in sizes:
+        by = sorted(((best_of[(label, s)], label) for label, _, _ in INTERCONNECTS),
+                    key=lambda x: x[0]["time_s"])
+        (fast, fl), (slow, sl) = by[0], by[-1]
+        parts.append(f"at {format_size(s)} {fl} is the fastest ({fast['algorithm']}, "
+                     f"{format_time(fast['time_s'])}), {sl} {slow['time_s'] / fast['time_s']:.2f}x "
+                     f"slower")
+    print(f"Summary: {a.collective} on {topo.servers} servers x {topo.gpus_per_server} "
+          f"accelerators ({topo.nics_per_server} NICs per server) with each interconnect: "
+          + "; ".join(parts) + ".")
     return 0

@@ -27,6 +27,7 @@ from typing import List, Optional
 from .engine import simulate
 from .presets import get_topology
 from .topology import Topology
+from .units import describe_link, format_time
 
 GPT3_PARAMS = 175e9
 FP16 = 2
@@ -49,8 +50,15 @@ def explain(topo: Optional[Topology] = None, simulate_calls: bool = True) -> str
     per_rank = 2 * (p - 1) / p * S
     lines: List[str] = []
     out = lines.append
+    B_nic, B_intra = topo.nic_link.bandwidth, topo.intra_link.bandwidth
+    a_nic = topo.nic_link.latency + 3 * topo.switch_latency
     out(f"GPT-3 175B, fp16 gradients: 175e9 x 2 B = S = {S / 1e9:.0f} GB")
     out(f"topology: {topo.describe()}")
+    out(f"symbols: S = gradient bytes; p = {p} ranks (one per accelerator); m = {m} servers; "
+        f"g = {g} accelerators per server; B_nic = one NIC's bandwidth, {B_nic / 1e9:g} GB/s; "
+        f"B_nvlink = one accelerator's NVLink bandwidth, {B_intra / 1e9:g} GB/s; α = one "
+        f"message's latency between servers (NIC + 3 switches), {format_time(a_nic)}; "
+        f"1 GB = 1e9 B, 1 TB = 1e12 B")
     out("")
     out(f"Ring allreduce over p = {p} ranks: every rank sends (p-1)/p S in the reduce-scatter and "
         f"(p-1)/p S in the allgather")
@@ -61,8 +69,6 @@ def explain(topo: Optional[Topology] = None, simulate_calls: bool = True) -> str
     out(f"Flat ring, rank order filling servers ({g} consecutive ranks each): {m} of the {p} ring "
         f"hops cross servers, each carrying {per_rank / 1e9:.1f} GB over ONE NIC:")
     out(f"  network bytes = {m} x {per_rank / 1e9:.1f} GB = {_tb(ring_net)}")
-    B_nic, B_intra = topo.nic_link.bandwidth, topo.intra_link.bandwidth
-    a_nic = topo.nic_link.latency + 3 * topo.switch_latency
     t_ring = per_rank / B_nic + 2 * (p - 1) * a_nic
     out(f"  time ~ 2(p-1)/p S / B_nic + 2(p-1) α = {per_rank / 1e9:.1f} GB / "
         f"{B_nic / 1e9:.0f} GB/s + {2 * (p - 1)} x {a_nic * 1e6:.1f} us = {t_ring:.2f} s")
@@ -88,14 +94,30 @@ def explain(topo: Optional[Topology] = None, simulate_calls: bool = True) -> str
         f"({_tb(hier_net)}): the algorithms move the same bytes; hier spreads them over 8 rails.")
     out("  It is NOT per-GPU traffic (that is ~0.7 TB) nor the NVLink traffic "
         f"({_tb(p * per_rank - ring_net)} more for the flat ring).")
+    t = {"ring": t_ring, "hier": t_hier}
+    net = {"ring": ring_net, "hier": hier_net}
+    how = "estimated"
     if simulate_calls:
         out("")
         out("Simulated (the real schedules on the topology; sizes rounded to a multiple of p "
             "elements):")
         count = int(S // 4 // p) * p
+        how = "simulated"
         for algo in ("ring", "hier"):
             r = simulate("allreduce", algo, topo, count=count)
+            t[algo], net[algo] = r.time_s, _nic_bytes(r, topo)
             out(f"  {algo:>4}: {r.time_s:7.2f} s  busbw {r.busbw:6.1f} GB/s  network bytes "
-                f"{_tb(_nic_bytes(r, topo))}  busiest link {r.busiest_link} "
+                f"{_tb(net[algo])}  busiest link: {describe_link(r.busiest_link)} "
                 f"({100 * r.busiest_link_utilisation:.0f}% busy)")
+    nics = topo.nics_per_server
+    because = (f": it spreads that traffic over all {nics} NICs of a server instead of one"
+               if nics > 1 and t["hier"] < t["ring"] else "")
+    lo, hi = sorted(net.values())
+    bytes_said = (f"puts about {_tb(hi)} on the network whichever algorithm runs"
+                  if hi <= 1.05 * lo else
+                  f"puts {_tb(net['ring'])} on the network as a flat ring, {_tb(net['hier'])} as "
+                  f"hier")
+    out(f"Summary: one allreduce of GPT-3's {S / 1e9:.0f} GB of fp16 gradients over {m} servers "
+        f"x {g} accelerators {bytes_said}; {how}, hier takes {format_time(t['hier'])} and a flat ring "
+        f"{format_time(t['ring'])} ({t['ring'] / t['hier']:.1f}x){because}.")
     return "\n".join(lines)

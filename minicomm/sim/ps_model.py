@@ -38,6 +38,7 @@ import numpy as np
 from ..schedule import Recv, Send
 from .engine import Program, SimResult, _program, simulate, simulate_program
 from .topology import LinkSpec, Topology
+from .units import describe_link, format_time
 
 DEFAULT_ROUNDS = 256
 MAX_MESSAGES = 1 << 20        # fewer rounds when n * k is large (a round is 2nk messages)
@@ -211,6 +212,7 @@ class StepPrice:
     servers: int           # PS servers (0 for allreduce)
     time_s: float
     detail: str
+    result: Optional[SimResult] = None   # allreduce: the simulated call (its links, for reports)
 
 
 def intra_time(topo: Topology, collective: str, model_bytes: float) -> float:
@@ -237,7 +239,8 @@ def price_step(topo: Topology, model_bytes: float, servers: Sequence[int] = (),
             continue
         r = simulate("allreduce", algo, topo, count=count)
         out.append(StepPrice("allreduce", algo, 0, r.time_s,
-                             f"busbw {r.busbw:.1f} GB/s, busiest {r.busiest_link}"))
+                             f"busbw {r.busbw:.1f} GB/s; busiest link: "
+                             f"{describe_link(r.busiest_link)}", r))
     g = topo.gpus_per_server
     rs = intra_time(topo, "reduce_scatter", model_bytes) if g > 1 else 0.0
     ag = intra_time(topo, "allgather", model_bytes) if g > 1 else 0.0
@@ -245,15 +248,15 @@ def price_step(topo: Topology, model_bytes: float, servers: Sequence[int] = (),
     for k in servers:
         ps = simulate_ps(topo, n, k, model_bytes, colocated=False, rounds=rounds)
         out.append(StepPrice("ps", "push/pull", k, rs + ps.time_s + ag,
-                             f"intra {1e3 * (rs + ag):.1f} ms + push/pull "
-                             f"{1e3 * ps.time_s:.1f} ms (closed form "
-                             f"{1e3 * ps.closed_form_s:.1f} ms)"))
+                             f"intra {format_time(rs + ag)} + push/pull "
+                             f"{format_time(ps.time_s)} (closed form "
+                             f"{format_time(ps.closed_form_s)})"))
     if colocated and n > 1:
         ps = simulate_ps(topo, n, n, model_bytes, colocated=True, rounds=rounds)
         out.append(StepPrice("ps-colocated", "push/pull", n, rs + ps.time_s + ag,
-                             f"intra {1e3 * (rs + ag):.1f} ms + push/pull "
-                             f"{1e3 * ps.time_s:.1f} ms (closed form "
-                             f"{1e3 * ps.closed_form_s:.1f} ms)"))
+                             f"intra {format_time(rs + ag)} + push/pull "
+                             f"{format_time(ps.time_s)} (closed form "
+                             f"{format_time(ps.closed_form_s)})"))
     return out
 
 

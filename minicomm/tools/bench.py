@@ -566,16 +566,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--nranks", type=int, default=None,
                    help="ranks to start (default 2; inside `minicomm run`: the job's)")
     p.add_argument("--transport", default="auto",
-                   choices=["auto", "shm", "tcp", "rdma", "ub", "inproc"])
+                   choices=["auto", "shm", "tcp", "rdma", "ub", "inproc"],
+                   help="how ranks talk (auto: shared memory within a node, tcp between; "
+                        "inproc: threads)")
     p.add_argument("--transports", default=None,
                    help="comma list of transports compared in one run, batch by batch (one-sided "
                         "ops: default shm,rdma,ub; collectives: e.g. shm,rdma,ub)")
     p.add_argument("--nodes", type=int, default=1, help="emulated nodes (blocks of ranks)")
     p.add_argument("--algorithms", default="auto",
                    help=f"comma list of {', '.join(FAMILIES)}, auto (default auto)")
-    p.add_argument("-d", "--datatype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("-o", "--op", default="sum", choices=OPS)
-    p.add_argument("-r", "--root", type=int, default=0)
+    p.add_argument("-d", "--datatype", default="float32", choices=sorted(DTYPES),
+                   help="element type of the buffers (default: float32)")
+    p.add_argument("-o", "--op", default="sum", choices=OPS,
+                   help="reduction operator (default: sum)")
+    p.add_argument("-r", "--root", type=int, default=0,
+                   help="root rank of rooted collectives (default: 0)")
     p.add_argument("--iters", type=int, default=0,
                    help="iterations per batch (default: enough for --batch-time)")
     p.add_argument("--warmup", type=int, default=5, help="warm-up calls per library and size")

@@ -14,18 +14,21 @@ The synchronous modes follow the single-process trajectory to float tolerance; a
 take W smaller steps per global batch and end near it. The PS modes need ``minicomm.ps``; where
 it cannot be imported they are skipped with a note (the JSON lists them under "skipped").
 
-Every run draws a progress bar on stderr (tqdm when installed, else one plain line). At the end:
-one table — mode, algorithm, workers, servers, final loss (mean cross-entropy over the whole
-training split), test accuracy, wall time of the training loop (process start-up excluded),
-samples/s, and the payload bytes one worker sends and receives per step — then a comparison of
-this run's timings in terms of the bytes through the busiest endpoint (a server's link vs a
-worker's).
+Every run draws a progress bar on stderr (tqdm when installed, else one plain line); its
+batch_loss is the loss of the last batch (worker 0's shard of it). At the end: one table — mode,
+algorithm, workers, servers, train-split loss (the final model's mean cross-entropy over the
+whole training split), test accuracy, wall time of the training loop (process start-up
+excluded), samples/s, and the payload bytes one worker sends and receives per step — a legend
+line under it (auto(rhd+tree): the algorithms auto chose per gradient bucket; (2w/2s) in the
+plots: 2 workers, 2 servers), then a comparison of this run's timings in terms of the bytes
+through the busiest endpoint (a server's link vs a worker's). Timings move with the machine's
+load: they describe this run on this machine, not the library.
 Byte counts: allreduce = the Send/Recv ops of each bucket's schedule
 (``minicomm.algorithms.build_schedule``) x itemsize; PS = the gradients a worker pushes and the
 parameters it pulls; a server's share comes from the parameter server's sharding plan
 (``--chunk-bytes`` 8 KiB spreads the small model over the servers).
 With matplotlib installed it writes loss-vs-step, loss-vs-time and throughput plots to ``--out``
-(``./minicomm-demo``).
+(``./minicomm-demo``); the loss plots say which curves coincide (the synchronous runs do).
 
 Defaults (2 workers, 2 servers, 400 steps of a 64-sample global batch, lr 0.2) finish in well
 under a minute on a 2-core machine; most of that is starting processes. They are chosen so the
@@ -38,7 +41,9 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
@@ -92,9 +97,11 @@ def plan_runs(modes: Sequence[str], workers: int, servers: int, staleness: int) 
 
 # ------------------------------------------------------------------------------ progress
 class Progress:
-    """A per-run progress bar on stderr: tqdm when importable, else one rewritten plain line."""
+    """A per-run progress bar on stderr: tqdm when importable, else one rewritten plain line.
+    It shows the loss of the last batch this rank computed (``batch_loss``: worker 0's shard in
+    a distributed run), not the table's loss over the whole training split."""
 
-    def __init__(self, label: str, total: int, enabled: bool = True):
+    def __init__(self, label: str, total: int, enabled: bool = True, mininterval: float = 0.2):
         self.label, self.total, self.enabled = label, total, enabled
         self._bar = None
         self._last = 0.0
@@ -107,10 +114,10 @@ class Progress:
             self._write(0, None)
         else:
             self._bar = tqdm(total=total, desc=f"{label:<16}", file=sys.stderr, leave=True,
-                             unit="step", dynamic_ncols=True, mininterval=0.2)
+                             unit="step", dynamic_ncols=True, mininterval=mininterval)
 
     def _write(self, done: int, loss: Optional[float]) -> None:
-        tail = "" if loss is None else f"  loss {loss:.4f}"
+        tail = "" if loss is None else f"  batch loss {loss:.4f}"
         sys.stderr.write(f"\r{self.label:<16} {done:>6}/{self.total} steps{tail}")
         sys.stderr.flush()
 
@@ -119,9 +126,14 @@ class Progress:
             return
         self._done = step + 1
         if self._bar is not None:
-            self._bar.update(1)
-            if self._done % 20 == 0 or self._done == self.total:
-                self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            # the postfix goes in before the redraw, so a frame never shows an older batch's loss
+            self._bar.set_postfix_str(f"batch_loss={loss:.4f}", refresh=False)
+            if self._done < self.total:
+                self._bar.update(1)
+            else:
+                # close() draws the final frame; update(1) here would draw it a second time
+                # whenever the last step came more than mininterval after the previous frame
+                self._bar.n = self._done
             return
         now = time.monotonic()
         if now - self._last >= 0.2 or self._done == self.total:
@@ -241,7 +253,7 @@ def _algorithm_cell(r: Dict[str, object]) -> str:
 
 
 def format_table(results: List[Dict[str, object]]) -> str:
-    head = ("mode", "algorithm", "workers", "servers", "final loss", "test acc", "wall s",
+    head = ("mode", "algorithm", "workers", "servers", "train-split loss", "test acc", "wall s",
             "samples/s", "sent/step/worker", "recv/step/worker")
     rows = []
     for r in results:
@@ -258,6 +270,28 @@ def format_table(results: List[Dict[str, object]]) -> str:
     out = [line(head), line(["-" * w for w in widths])]
     out.extend(line(row) for row in rows)
     return "\n".join(out)
+
+
+def table_legend(results: List[Dict[str, object]]) -> str:
+    """The one line under the table: what its loss is, what auto(...) and the plots' (Nw/Ms)
+    mean, from this run's own rows."""
+    parts = ["train-split loss: mean cross-entropy of the final model over the whole training "
+             "split (a progress bar's batch_loss is the last batch only)"]
+    for r in results:
+        cell = _algorithm_cell(r)
+        if cell.startswith("auto("):
+            picked = sorted(set(r["bucket_algorithms"]))
+            parts.append(f"{cell} = algorithm auto, which chose {' or '.join(picked)} per "
+                         f"gradient bucket")
+            break
+    ps = next((r for r in results if str(r["mode"]).startswith("ps-")), None)
+    dist = next((r for r in results if r["mode"] != "single"), None)
+    if ps is not None:
+        parts.append(f"plots: ({ps['workers']}w/{ps['servers']}s) = {ps['workers']} workers, "
+                     f"{ps['servers']} servers")
+    elif dist is not None:
+        parts.append(f"plots: ({dist['workers']}w) = {dist['workers']} workers")
+    return "Legend: " + "; ".join(parts) + "."
 
 
 def comparison(results: List[Dict[str, object]]) -> List[str]:
@@ -317,21 +351,39 @@ def _label(r: Dict[str, object]) -> str:
     return _algorithm_cell(r) if r["mode"] == "allreduce" else str(r["mode"])
 
 
-def write_plots(results: List[Dict[str, object]], out_dir: str) -> List[str]:
-    """loss_vs_step.png, loss_vs_time.png, throughput.png in ``out_dir``; [] without
-    matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
-    os.makedirs(out_dir, exist_ok=True)
+def coinciding_runs(results: List[Dict[str, object]], rtol: float = 1e-4) -> List[List[str]]:
+    """Plot labels of the runs whose loss curves lie on one another (every step within ``rtol``):
+    groups of two or more, largest first. The synchronous modes are the same large-batch SGD, so
+    they coincide; this finds that from the curves, not from the mode names."""
+    groups: List[List[Dict[str, object]]] = []
+    for r in results:
+        for g in groups:
+            ref = g[0]["_losses"]
+            if len(ref) == len(r["_losses"]) and all(
+                    math.isclose(a, b, rel_tol=rtol) for a, b in zip(ref, r["_losses"])):
+                g.append(r)
+                break
+        else:
+            groups.append([r])
+    keep = sorted((g for g in groups if len(g) > 1), key=len, reverse=True)
+    return [[_plot_label(r) for r in g] for g in keep]
+
+
+def build_figures(results: List[Dict[str, object]]) -> Dict[str, object]:
+    """The demo's three figures (matplotlib, Agg), by file name: loss_vs_step.png,
+    loss_vs_time.png, throughput.png. Raises ImportError without matplotlib."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     labels = [_plot_label(r) for r in results]
-    paths = []
+    same = coinciding_runs(results)
+    # a caption under the axes: lines that lie on one another would otherwise look missing
+    note = "\n".join(textwrap.fill(f"{', '.join(g)} coincide (the same large-batch SGD): "
+                                   f"their lines lie on one another", 100) for g in same)
+    figs: Dict[str, object] = {}
     for name, xkey, xlabel in (("loss_vs_step.png", None, "step"),
                                ("loss_vs_time.png", "_times", "wall time (s)")):
-        fig, ax = plt.subplots(figsize=(7, 4.2))
+        fig, ax = plt.subplots(figsize=(7, 4.2 + 0.35 * note.count("\n") + 0.35 * bool(note)))
         for r, label in zip(results, labels):
             ys = _moving_average(r["_losses"], SMOOTHING)
             xs = list(range(1, len(ys) + 1)) if xkey is None else r[xkey]
@@ -345,11 +397,10 @@ def write_plots(results: List[Dict[str, object]], out_dir: str) -> List[str]:
         ax.set_title(f"minicomm demo: loss vs {xlabel.split(' (')[0]}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
+        if note:
+            ax.text(0.0, -0.16, note, transform=ax.transAxes, fontsize=7, va="top", ha="left")
         fig.tight_layout()
-        path = os.path.join(out_dir, name)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        figs[name] = fig
     fig, ax = plt.subplots(figsize=(7, 4.2))
     values = [r["samples_per_s"] for r in results]
     colors = ["tab:gray" if r["mode"] == "single" else "tab:blue" if r["mode"] == "allreduce"
@@ -361,14 +412,30 @@ def write_plots(results: List[Dict[str, object]], out_dir: str) -> List[str]:
                     va="bottom", fontsize=7)
     ax.set_xticks(range(len(values)))
     ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+    ax.set_xlabel("run: mode, algorithm (w = workers, s = servers)")
     ax.set_ylabel("samples / s (log)")
-    ax.set_title("minicomm demo: training throughput per mode")
+    ax.set_title("minicomm demo: training throughput per mode (this machine, this run)")
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
-    path = os.path.join(out_dir, "throughput.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(path)
+    figs["throughput.png"] = fig
+    return figs
+
+
+def write_plots(results: List[Dict[str, object]], out_dir: str) -> List[str]:
+    """loss_vs_step.png, loss_vs_time.png, throughput.png in ``out_dir``; [] without
+    matplotlib."""
+    try:
+        figs = build_figures(results)
+    except ImportError:
+        return []
+    import matplotlib.pyplot as plt
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for name, fig in figs.items():
+        path = os.path.join(out_dir, name)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
     return paths
 
 
@@ -426,7 +493,8 @@ def add_arguments(p: argparse.ArgumentParser, modes: bool = True) -> None:
                    help="hidden layer widths, comma separated (64)")
     p.add_argument("--chunk-bytes", type=int, default=DEMO_CHUNK_BYTES,
                    help="PS: arrays above this are split across servers (%(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help=f"seed of the data split, the initial weights and the batches ({d.seed})")
     p.add_argument("--dataset", default="auto", choices=DATASETS,
                    help="digits (needs scikit-learn), synthetic, or auto (digits if available)")
 
@@ -480,7 +548,8 @@ def public_json(doc: Dict[str, object]) -> Dict[str, object]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="minicomm demo", description=__doc__,
+    # help is plain text: the docstring's ``literal`` marks dropped
+    p = argparse.ArgumentParser(prog="minicomm demo", description=re.sub(r"``(.+?)``", r"\1", __doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     return main_from_args(p.parse_args(argv))
@@ -499,6 +568,7 @@ def main_from_args(a) -> int:
     results = doc["runs"]
     print()
     print(format_table(results))
+    print(table_legend(results))
     print()
     for line in comparison(results):
         print(line)

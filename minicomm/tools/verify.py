@@ -1,4 +1,4 @@
-"""``minicomm verify``: the verifier run over the whole algorithm matrix, in a process pool.
+"""minicomm verify: the verifier run over the whole algorithm matrix, in a process pool.
 
 Every (collective, family, world size 1..max_world) cell is proved with ``minicomm.verifier``
 over roots, counts and, for hier, node maps; the matrix is printed. Lives with the tools: it
@@ -73,6 +73,12 @@ def run_matrix(max_world: int = 64, all_roots: bool = False, jobs: int = 0, out=
     out = out or sys.stdout
     colls = list(collectives or COLLECTIVES)
     fams = list(families or FAMILIES)
+    # a misspelt name is the caller's mistake, not a cell that fails its proof
+    for kind, names, known in (("collective", colls, COLLECTIVES), ("algorithm", fams, FAMILIES)):
+        bad = [x for x in names if x not in known]
+        if bad:
+            raise ValueError(f"unknown {kind} {', '.join(map(repr, bad))}; choose from "
+                             f"{', '.join(known)}")
     # Largest world sizes first so the pool's tail is short.
     tasks = [(c, f, p, all_roots) for p in range(max_world, 0, -1) for c in colls for f in fams]
     jobs = jobs or os.cpu_count() or 1

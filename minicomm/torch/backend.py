@@ -94,7 +94,15 @@ def create(dist_opts, backend_options=None) -> MinicommProcessGroup:
 
 
 def register() -> None:
-    """Register the backend ``"minicomm"`` with torch.distributed (idempotent; done on import)."""
+    """Register the backend ``"minicomm"`` with torch.distributed (idempotent; done on import).
+
+    Returns:
+        (None): Once ``dist.init_process_group("minicomm")`` can find the backend.
+
+    Examples:
+        >>> from minicomm.torch import register
+        >>> register()                  # importing minicomm.torch did it already
+    """
     if BACKEND.upper() in getattr(dist.Backend, "_plugins", {}):
         return
     dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu"])

@@ -69,8 +69,22 @@ BACKEND = "minicomm"
 
 class MinicommProcessGroup(dist.ProcessGroup):
     """A ``torch.distributed`` process group whose collectives run on minicomm communicators.
+
     Created by ``dist.init_process_group("minicomm")`` / ``dist.new_group(backend="minicomm")``;
-    see the module docstring for what reaches which method."""
+    see the module docstring for what reaches which method. CPU tensors only.
+
+    Args:
+        coll (Communicator): The communicator the collectives run on.
+        p2p (Communicator): A second one, for send / recv.
+        timeout (float): Seconds a call waits at most (the group's ``timeout``).
+        owned (Sequence[Communicator]): The communicators ``shutdown`` closes, in order.
+
+    Examples:
+        >>> import torch, torch.distributed as dist, minicomm.torch  # doctest: +SKIP
+        >>> dist.init_process_group("minicomm")  # doctest: +SKIP
+        >>> t = torch.ones(4)  # doctest: +SKIP
+        >>> dist.all_reduce(t)  # doctest: +SKIP
+    """
 
     def __init__(self, coll: Communicator, p2p: Communicator, timeout: float,
                  owned: Sequence[Communicator]):
@@ -86,45 +100,93 @@ class MinicommProcessGroup(dist.ProcessGroup):
 
     # ---- identity (the group-name pitfall: answered from Python, for Python and C++ callers)
     def getBackendName(self) -> str:
+        """The backend's name, for torch's C++ side.
+
+        Returns:
+            (str): ``"minicomm"``.
+        """
         return BACKEND
 
     def name(self) -> str:
+        """The backend's name, as ``dist.get_backend`` reports it.
+
+        Returns:
+            (str): ``"minicomm"``.
+        """
         return BACKEND
 
     def _set_group_name(self, name: str) -> None:
         self._group_name = str(name)
 
     def setGroupName(self, name: str) -> None:
+        """Set the group's name (torch names groups after creating them).
+
+        Args:
+            name (str): The name.
+        """
         self._group_name = str(name)
 
     @property
     def group_name(self) -> str:
+        """The group's name, as torch set it (answered from Python: no C++ backend holds it).
+
+        Returns:
+            (str): The name ("" until torch sets it).
+        """
         return self._group_name
 
     def getGroupName(self) -> str:
+        """The group's name, for torch's C++ side.
+
+        Returns:
+            (str): The name ("" until torch sets it).
+        """
         return self._group_name
 
     def _set_group_desc(self, desc: str) -> None:
         self._group_desc = str(desc)
 
     def setGroupDesc(self, desc: str) -> None:
+        """Set the group's description (``dist.new_group(group_desc=...)``).
+
+        Args:
+            desc (str): The description.
+        """
         self._group_desc = str(desc)
 
     @property
     def group_desc(self) -> str:
+        """The group's description.
+
+        Returns:
+            (str): The description ("undefined" unless torch set one).
+        """
         return self._group_desc
 
     def getGroupDesc(self) -> str:
+        """The group's description, for torch's C++ side.
+
+        Returns:
+            (str): The description ("undefined" unless torch set one).
+        """
         return self._group_desc
 
     @property
     def communicator(self) -> Communicator:
-        """The minicomm communicator the collectives run on (its rank and size are the group's)."""
+        """The minicomm communicator the collectives run on (its rank and size are the group's).
+
+        Returns:
+            (Communicator): The communicator.
+        """
         return self._coll
 
     @property
     def is_shut(self) -> bool:
-        """Whether ``shutdown()`` (``destroy_process_group``) has run."""
+        """Whether ``shutdown()`` (``destroy_process_group``) has run.
+
+        Returns:
+            (bool): True once shut down.
+        """
         return self._shut
 
     def __repr__(self):
@@ -144,7 +206,26 @@ class MinicommProcessGroup(dist.ProcessGroup):
 
     # ---- allreduce
     def allreduce(self, tensors, opts=None):
-        """Reduce each tensor over the group, in place."""
+        """Reduce each tensor over the group, in place.
+
+        Args:
+            tensors (list[torch.Tensor]): The tensors (or one tensor), reduced in place.
+            opts (dist.AllreduceOptions | None): c10d's options: ``reduceOp`` (``asyncOp=False`` may
+                run the call on this thread).
+
+        Returns:
+            (MinicommWork): Its ``wait()`` returns True once done (or raises the collective's
+                error); ``get_future()`` completes with the output tensors.
+
+        Raises:
+            ValueError: Tensors not on the CPU, of the wrong sizes, or a root outside the group.
+            TypeError: Not a tensor, a dtype minicomm cannot move, or a sparse tensor.
+            CommError: The group is broken or shut down (a failure of the collective itself fails
+                the work instead).
+
+        Examples:
+            >>> dist.all_reduce(t, op=dist.ReduceOp.SUM)  # doctest: +SKIP
+        """
         opts = opts if opts is not None else dist.AllreduceOptions()
         tensors = check_list(one_or_list(tensors), "allreduce")
         ops = [reduce_op(opts, np_dtype(t), "allreduce") for t in tensors]
@@ -152,7 +233,23 @@ class MinicommProcessGroup(dist.ProcessGroup):
                             opts=opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
-        """One allreduce per dtype over the tensors packed end to end."""
+        """One allreduce per dtype over the tensors packed end to end.
+
+        Args:
+            tensors (list[torch.Tensor]): The tensors, reduced in place.
+            opts (dist.AllreduceCoalescedOptions | None): c10d's options: ``reduceOp``
+                (``asyncOp=False`` may run the call on this thread).
+
+        Returns:
+            (MinicommWork): Its ``wait()`` returns True once done (or raises the collective's
+                error); ``get_future()`` completes with the output tensors.
+
+        Raises:
+            ValueError: Tensors not on the CPU, of the wrong sizes, or a root outside the group.
+            TypeError: Not a tensor, a dtype minicomm cannot move, or a sparse tensor.
+            CommError: The group is broken or shut down (a failure of the collective itself fails
+                the work instead).
+        """
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         tensors = check_list(tensors, "allreduce_coalesced")
         by_dtype: "collections.OrderedDict" = collections.OrderedDict()
@@ -164,7 +261,28 @@ class MinicommProcessGroup(dist.ProcessGroup):
 
     # ---- broadcast / reduce
     def broadcast(self, tensors, opts=None):
-        """Every rank's tensors get the root's (``opts.rootRank``)."""
+        """Every rank's tensors get the root's (``opts.rootRank``).
+
+        Args:
+            tensors (list[torch.Tensor]): The tensors (or one tensor): the root's are sent, the
+                others'
+                overwritten.
+            opts (dist.BroadcastOptions | None): c10d's options: ``rootRank`` (``asyncOp=False`` may
+                run the call on this thread).
+
+        Returns:
+            (MinicommWork): Its ``wait()`` returns True once done (or raises the collective's
+                error); ``get_future()`` completes with the output tensors.
+
+        Raises:
+            ValueError: Tensors not on the CPU, of the wrong sizes, or a root outside the group.
+            TypeError: Not a tensor, a dtype minicomm cannot move, or a sparse tensor.
+            CommError: The group is broken or shut down (a failure of the collective itself fails
+                the work instead).
+
+        Examples:
+            >>> dist.broadcast(t, src=0)  # doctest: +SKIP
+        """
         opts = opts if opts is not None else dist.BroadcastOptions()
         tensors = check_list(one_or_list(tensors), "broadcast")
         root = check_root(opts.rootRank, self.size(), "broadcast")
@@ -172,7 +290,23 @@ class MinicommProcessGroup(dist.ProcessGroup):
                             opts=opts)
 
     def reduce(self, tensors, opts=None):
-        """The root's tensors get the reduction over the group; other ranks' are unchanged."""
+        """The root's tensors get the reduction over the group; other ranks' are unchanged.
+
+        Args:
+            tensors (list[torch.Tensor]): The tensors (or one tensor).
+            opts (dist.ReduceOptions | None): c10d's options: ``rootRank``, ``reduceOp``
+                (``asyncOp=False`` may run the call on this thread).
+
+        Returns:
+            (MinicommWork): Its ``wait()`` returns True once done (or raises the collective's
+                error); ``get_future()`` completes with the output tensors.
+
+        Raises:
+            ValueError: Tensors not on the CPU, of the wrong sizes, or a root outside the group.
+            TypeError: Not a tensor, a dtype minicomm cannot move, or a sparse tensor.
+            CommError: The group is broken or shut down (a failure of the collective itself fails
+                the work instead).
+        """
         opts = opts if opts is not None else dist.ReduceOptions()
         tensors = check_list(one_or_list(tensors), "reduce")
         root = check_root(opts.rootRank, self.size(), "reduce")
@@ -182,7 +316,28 @@ class MinicommProcessGroup(dist.ProcessGroup):
 
     # ---- allgather
     def allgather(self, output_tensors, input_tensors, opts=None):
-        """``output_tensors[i]``: ``size`` tensors receiving every rank's ``input_tensors[i]``."""
+        """``output_tensors[i]``: ``size`` tensors receiving every rank's ``input_tensors[i]``.
+
+        Args:
+            output_tensors (list[list[torch.Tensor]]): Per input, ``size`` tensors of its shape and
+                dtype.
+            input_tensors (list[torch.Tensor]): This rank's tensors.
+            opts (dist.AllgatherOptions | None): c10d's options (``asyncOp=False`` may run the call
+                on this thread).
+
+        Returns:
+            (MinicommWork): Its ``wait()`` returns True once done (or raises the collective's
+                error); ``get_future()`` completes with the output tensors.
+
+        Raises:
+            ValueError: Tensors not on the CPU, of the wrong sizes, or a root outside the group.
+            TypeError: Not a tensor, a dtype minicomm cannot move, or a sparse tensor.
+            CommError: The group is broken or shut down (a failure of the collective itself fails
+                the work instead).
+
+        Examples:
+            >>> dist.all_gather(outs, t)  # doctest: +SKIP
+        """
         inputs = check_list(input_tensors, "allgather")
         outputs = [check_list(o, "allgather", self.size()) for o in output_tensors]
         if len(outputs) != len(inputs):
@@ -193,7 +348,27 @@ class MinicommProcessGroup(dist.ProcessGroup):
                             collectives.allgather, outputs, inputs, opts=opts)
 
     def all_gather_single(self, output, input, opts=None):
-        """``all_gather_into_tensor``: ``output`` holds the ``size`` inputs end to end."""
+        """``all_gather_into_tensor``: ``output`` holds the ``size`` inputs end to end.
+
+        Args:
+            output (torch.Tensor): ``size`` times the input's elements.
+            input (torch.Tensor): This rank's tensor.
+            opts (dist.AllgatherOptions | None): c10d's options (``asyncOp=False`` may run the call
+                on this thread).
+
+        Returns:
+            (MinicommWork): Its ``wait()`` returns True once done (or raises the collective's
+                error); ``get_future()`` completes with the output tensors.
+
+        Raises:
+            ValueError: Tensors not on the CPU, of the wrong sizes, or a root outside the group.
+            TypeError: Not a tensor, a dtype minicomm cannot move, or a sparse tensor.
+            CommError: The group is broken or shut down (a failure of the collective itself fails
+                the work instead).
+
+        Examples:
+            >>> dist.all_gather_into_tensor(out, t)  # doctest: +SKIP
+        """
         what = "all_gather_into_tensor"
         check_tensor(output, what)
         check_tensor(input, what)
@@ -204,12 +379,46 @@ class MinicommProcessGroup(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        """One allgather per input; the work of the last (the queue is FIFO)."""
+        """One allgather per input; the work of the last (the queue is FIFO).
+
+        Args:
+            output_lists (list[list[torch.Tensor]]): Per input, ``size`` output tensors.
+            input_list (list[torch.Tensor]): This rank's tensors.
+            opts (dist.AllgatherOptions | None): c10d's options (``asyncOp=False`` may run the call
+                on this thread).
+
+        Returns:
+            (MinicommWork): Its ``wait()`` returns True once done (or raises the collective's
+                error); ``get_future()`` completes with the output tensors.
+
+        Raises:
+            ValueError: Tensors not on the CPU, of the wrong sizes, or a root outside the group.
+            TypeError: Not a tensor, a dtype minicomm cannot move, or a sparse tensor.
+            CommError: The group is broken or shut down (a failure of the collective itself fails
+                the work instead).
+        """
         works = [self.allgather([o], [i], opts) for o, i in zip(output_lists, input_list)]
         return works[-1] if works else DoneWork([])
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        """One ``all_gather_into_tensor`` per pair; the work of the last."""
+        """One ``all_gather_into_tensor`` per pair; the work of the last.
+
+        Args:
+            outputs (list[torch.Tensor]): Per input, ``size`` times its elements.
+            inputs (list[torch.Tensor]): This rank's tensors.
+            opts (dist.AllgatherOptions | None): c10d's options (``asyncOp=False`` may run the call
+                on this thread).
+
+        Returns:
+            (MinicommWork): Its ``wait()`` returns True once done (or raises the collective's
+                error); ``get_future()`` completes with the output tensors.
+
+        Raises:
+            ValueError: Tensors not on the CPU, of the wrong sizes, or a root outside the group.
+            TypeError: Not a tensor, a dtype minicomm cannot move, or a sparse tensor.
+            CommError: The group is broken or shut down (a failure of the collective itself fails
+                the work instead).
+        """
         works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return works[-1] if works else DoneWork([])
 
@@ -217,7 +426,24 @@ class MinicommProcessGroup(dist.ProcessGroup):
 
     # ---- reduce_scatter
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        """``output_tensors[i]`` gets the reduction of every rank's ``input_tensors[i][rank]``."""
+        """``output_tensors[i]`` gets the reduction of every rank's ``input_tensors[i][rank]``.
+
+        Args:
+            output_tensors (list[torch.Tensor]): The results.
+            input_tensors (list[list[torch.Tensor]]): Per output, ``size`` tensors of its shape.
+            opts (dist.ReduceScatterOptions | None): c10d's options: ``reduceOp`` (``asyncOp=False``
+                may run the call on this thread).
+
+        Returns:
+            (MinicommWork): Its ``wait()`` returns True once done (or raises the collective's
+                error); ``get_future()`` completes with the output tensors.
+
+        Raises:
+            ValueError: Tensors not on the CPU, of the wrong sizes, or a root outside the group.
+            TypeError: Not a tensor, a dtype minicomm cannot move, or a sparse tensor.
+            CommError: The group is broken or shut down (a failure of the collective itself fails
+                the work instead).
+        """
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         outputs = check_list(output_tensors, "reduce_scatter")
         inputs = [check_list(i, "reduce_scatter", self.size()) for i in input_tensors]
@@ -230,7 +456,27 @@ class MinicommProcessGroup(dist.ProcessGroup):
                             inputs, ops, opts=opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
-        """``reduce_scatter_tensor``: ``input`` holds ``size`` blocks end to end."""
+        """``reduce_scatter_tensor``: ``input`` holds ``size`` blocks end to end.
+
+        Args:
+            output (torch.Tensor): The reduced block of this rank.
+            input (torch.Tensor): ``size`` times the output's elements.
+            opts (dist.ReduceScatterOptions | None): c10d's options: ``reduceOp`` (``asyncOp=False``
+                may run the call on this thread).
+
+        Returns:
+            (MinicommWork): Its ``wait()`` returns True once done (or raises the collective's
+                error); ``get_future()`` completes with the output tensors.
+
+        Raises:
+            ValueError: Tensors not on the CPU, of the wrong sizes, or a root outside the group.
+            TypeError: Not a tensor, a dtype minicomm cannot move, or a sparse tensor.
+            CommError: The group is broken or shut down (a failure of the collective itself fails
+                the work instead).
+
+        Examples:
+            >>> dist.reduce_scatter_tensor(out, t)  # doctest: +SKIP
+        """
         what = "reduce_scatter_tensor"
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         check_tensor(output, what)
@@ -243,7 +489,24 @@ class MinicommProcessGroup(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        """One ``reduce_scatter_tensor`` per pair; the work of the last."""
+        """One ``reduce_scatter_tensor`` per pair; the work of the last.
+
+        Args:
+            outputs (list[torch.Tensor]): The results.
+            inputs (list[torch.Tensor]): Per output, ``size`` times its elements.
+            opts (dist.ReduceScatterOptions | None): c10d's options: ``reduceOp`` (``asyncOp=False``
+                may run the call on this thread).
+
+        Returns:
+            (MinicommWork): Its ``wait()`` returns True once done (or raises the collective's
+                error); ``get_future()`` completes with the output tensors.
+
+        Raises:
+            ValueError: Tensors not on the CPU, of the wrong sizes, or a root outside the group.
+            TypeError: Not a tensor, a dtype minicomm cannot move, or a sparse tensor.
+            CommError: The group is broken or shut down (a failure of the collective itself fails
+                the work instead).
+        """
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return works[-1] if works else DoneWork([])
 
@@ -251,7 +514,29 @@ class MinicommProcessGroup(dist.ProcessGroup):
 
     # ---- alltoall
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        """``all_to_all_single``: splits count rows of dimension 0 (empty: equal splits)."""
+        """``all_to_all_single``: splits count rows of dimension 0 (empty: equal splits).
+
+        Args:
+            output (torch.Tensor): The rows received, rank by rank.
+            input (torch.Tensor): The rows sent, rank by rank.
+            output_split_sizes (list[int]): Rows received from each rank (empty: equal).
+            input_split_sizes (list[int]): Rows sent to each rank (empty: equal).
+            opts (dist.AllToAllOptions | None): c10d's options (``asyncOp=False`` may run the call
+                on this thread).
+
+        Returns:
+            (MinicommWork): Its ``wait()`` returns True once done (or raises the collective's
+                error); ``get_future()`` completes with the output tensors.
+
+        Raises:
+            ValueError: Tensors not on the CPU, of the wrong sizes, or a root outside the group.
+            TypeError: Not a tensor, a dtype minicomm cannot move, or a sparse tensor.
+            CommError: The group is broken or shut down (a failure of the collective itself fails
+                the work instead).
+
+        Examples:
+            >>> dist.all_to_all_single(out, t)  # doctest: +SKIP
+        """
         what = "all_to_all_single"
         check_tensor(output, what)
         check_tensor(input, what)
@@ -271,7 +556,24 @@ class MinicommProcessGroup(dist.ProcessGroup):
     alltoall_base = all_to_all_single
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
-        """List all-to-all: ``output_tensors[j]`` receives rank j's ``input_tensors[rank]``."""
+        """List all-to-all: ``output_tensors[j]`` receives rank j's ``input_tensors[rank]``.
+
+        Args:
+            output_tensors (list[torch.Tensor]): ``size`` tensors, one from each rank.
+            input_tensors (list[torch.Tensor]): ``size`` tensors, one to each rank.
+            opts (dist.AllToAllOptions | None): c10d's options (``asyncOp=False`` may run the call
+                on this thread).
+
+        Returns:
+            (MinicommWork): Its ``wait()`` returns True once done (or raises the collective's
+                error); ``get_future()`` completes with the output tensors.
+
+        Raises:
+            ValueError: Tensors not on the CPU, of the wrong sizes, or a root outside the group.
+            TypeError: Not a tensor, a dtype minicomm cannot move, or a sparse tensor.
+            CommError: The group is broken or shut down (a failure of the collective itself fails
+                the work instead).
+        """
         outputs = check_list(output_tensors, "alltoall", self.size())
         inputs = check_list(input_tensors, "alltoall", self.size())
         dts = {t.dtype for t in outputs + inputs}
@@ -282,7 +584,24 @@ class MinicommProcessGroup(dist.ProcessGroup):
 
     # ---- gather / scatter
     def gather(self, output_tensors, input_tensors, opts=None):
-        """Root: ``output_tensors[0]`` is ``size`` tensors; other ranks pass ``[]``."""
+        """Root: ``output_tensors[0]`` is ``size`` tensors; other ranks pass ``[]``.
+
+        Args:
+            output_tensors (list[list[torch.Tensor]]): At the root ``[size tensors]``, else ``[]``.
+            input_tensors (list[torch.Tensor]): This rank's one tensor.
+            opts (dist.GatherOptions | None): c10d's options: ``rootRank`` (``asyncOp=False`` may
+                run the call on this thread).
+
+        Returns:
+            (MinicommWork): Its ``wait()`` returns True once done (or raises the collective's
+                error); ``get_future()`` completes with the output tensors.
+
+        Raises:
+            ValueError: Tensors not on the CPU, of the wrong sizes, or a root outside the group.
+            TypeError: Not a tensor, a dtype minicomm cannot move, or a sparse tensor.
+            CommError: The group is broken or shut down (a failure of the collective itself fails
+                the work instead).
+        """
         opts = opts if opts is not None else dist.GatherOptions()
         inputs = check_list(input_tensors, "gather", 1)
         root = check_root(opts.rootRank, self.size(), "gather")
@@ -292,7 +611,24 @@ class MinicommProcessGroup(dist.ProcessGroup):
                             opts=opts)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
-        """Root: ``input_tensors[0]`` is ``size`` tensors; other ranks pass ``[]``."""
+        """Root: ``input_tensors[0]`` is ``size`` tensors; other ranks pass ``[]``.
+
+        Args:
+            output_tensors (list[torch.Tensor]): This rank's one tensor.
+            input_tensors (list[list[torch.Tensor]]): At the root ``[size tensors]``, else ``[]``.
+            opts (dist.ScatterOptions | None): c10d's options: ``rootRank`` (``asyncOp=False`` may
+                run the call on this thread).
+
+        Returns:
+            (MinicommWork): Its ``wait()`` returns True once done (or raises the collective's
+                error); ``get_future()`` completes with the output tensors.
+
+        Raises:
+            ValueError: Tensors not on the CPU, of the wrong sizes, or a root outside the group.
+            TypeError: Not a tensor, a dtype minicomm cannot move, or a sparse tensor.
+            CommError: The group is broken or shut down (a failure of the collective itself fails
+                the work instead).
+        """
         opts = opts if opts is not None else dist.ScatterOptions()
         outputs = check_list(output_tensors, "scatter", 1)
         root = check_root(opts.rootRank, self.size(), "scatter")
@@ -303,7 +639,25 @@ class MinicommProcessGroup(dist.ProcessGroup):
 
     # ---- barrier
     def barrier(self, opts=None):
-        """Returns once every rank of the group has entered the barrier."""
+        """Returns once every rank of the group has entered the barrier.
+
+        Args:
+            opts (dist.BarrierOptions | None): c10d's options (``asyncOp=False`` may run the call on
+                this thread).
+
+        Returns:
+            (MinicommWork): Its ``wait()`` returns True once done (or raises the collective's
+                error); ``get_future()`` completes with the output tensors.
+
+        Raises:
+            ValueError: Tensors not on the CPU, of the wrong sizes, or a root outside the group.
+            TypeError: Not a tensor, a dtype minicomm cannot move, or a sparse tensor.
+            CommError: The group is broken or shut down (a failure of the collective itself fails
+                the work instead).
+
+        Examples:
+            >>> dist.barrier()  # doctest: +SKIP
+        """
         return self._launch("barrier", [], collectives.barrier, opts=opts)
 
     # ---- dist._coalescing_manager(device=...): torch records the ops and calls the coalesced
@@ -317,7 +671,24 @@ class MinicommProcessGroup(dist.ProcessGroup):
 
     # ---- point to point (caller's thread, second communicator)
     def send(self, tensors, dst: int, tag: int = 0):
-        """Post a send of the one tensor to group rank ``dst``; it moves when waited on."""
+        """Post a send of the one tensor to group rank ``dst``; it moves when waited on.
+
+        Args:
+            tensors (list[torch.Tensor]): One tensor (staged now: it may be reused at once).
+            dst (int): The destination's rank in the group.
+            tag (int): The tag the receiver matches on.
+
+        Returns:
+            (P2PWork): Its ``wait()`` moves the message and returns True.
+
+        Raises:
+            ValueError: Not one CPU tensor, or a bad tag.
+            TypeError: Not a tensor, or a dtype minicomm cannot move.
+            CommTimeout: Another thread held the group's send/recv too long.
+
+        Examples:
+            >>> dist.send(t, dst=1)  # doctest: +SKIP
+        """
         t = check_list(tensors, "send", 1)[0]
         tag = check_tag(tag, "send")
         b = FlatView(t)                         # staged now: the caller may reuse t at once
@@ -326,11 +697,40 @@ class MinicommProcessGroup(dist.ProcessGroup):
         return P2PWork(f"send to rank {dst} (tag {tag})", self._p2p_wait, mc, keep=b)
 
     def recv(self, tensors, src: int, tag: int = 0):
-        """Post a receive into the one tensor from group rank ``src``."""
+        """Post a receive into the one tensor from group rank ``src``.
+
+        Args:
+            tensors (list[torch.Tensor]): One tensor, filled when the work is waited on.
+            src (int): The source's rank in the group.
+            tag (int): The tag to match.
+
+        Returns:
+            (P2PWork): Its ``wait()`` moves the message and returns True.
+
+        Raises:
+            ValueError: Not one CPU tensor, or a bad tag.
+            TypeError: Not a tensor, or a dtype minicomm cannot move.
+            CommTimeout: Another thread held the group's send/recv too long.
+
+        Examples:
+            >>> dist.recv(t, src=0)  # doctest: +SKIP
+        """
         return self._recv(tensors, int(src), tag, "recv")
 
     def recv_anysource(self, tensors, tag: int = 0):
-        """Post a receive from whichever rank sends first (``work._source_rank()`` says who)."""
+        """Post a receive from whichever rank sends first.
+
+        Args:
+            tensors (list[torch.Tensor]): One tensor, filled when the work is waited on.
+            tag (int): The tag to match.
+
+        Returns:
+            (P2PWork): Its ``wait()`` moves the message; ``work._source_rank()`` says who sent it.
+
+        Raises:
+            ValueError: Not one CPU tensor, or a bad tag.
+            TypeError: Not a tensor, or a dtype minicomm cannot move.
+        """
         return self._recv(tensors, ANY_SOURCE, tag, "recv_anysource")
 
     def _recv(self, tensors, src: int, tag: int, what: str):
@@ -360,7 +760,11 @@ class MinicommProcessGroup(dist.ProcessGroup):
 
     # ---- lifetime
     def shutdown(self) -> None:
-        """``destroy_process_group``: run what is queued, then close the communicators."""
+        """``destroy_process_group``: run what is queued, then close the communicators.
+
+        Returns:
+            (None): A second call does nothing.
+        """
         if self._shut:
             return
         self._shut = True
@@ -374,7 +778,11 @@ class MinicommProcessGroup(dist.ProcessGroup):
                 pass
 
     def abort(self) -> None:
-        """Fail what runs and what is queued now; later calls raise."""
+        """Fail what runs and what is queued now; later calls raise.
+
+        Returns:
+            (None): Once the group is shut down.
+        """
         for comm in self._owned:
             try:
                 comm.abort("torch.distributed process group aborted")

@@ -50,10 +50,12 @@ def _unwrap(source: torch.futures.Future):
 
 
 class MinicommWork(dist._Work):
-    """A collective's handle. ``wait()`` returns True or raises the collective's error (its own
-    type: ``MismatchError``, ``CommTimeout``, ``PeerFailure``...); ``get_future()`` is a
-    ``torch.futures.Future`` completed on the group's worker thread, with the output tensors or
-    in error; ``result()`` the output tensors.
+    """A collective's handle, as torch's ``Work``.
+
+    ``wait()`` returns True or raises the collective's error (its own type: ``MismatchError``,
+    ``CommTimeout``, ``PeerFailure``...); ``get_future()`` is a ``torch.futures.Future``
+    completed on the group's worker thread, with the output tensors or in error; ``result()``
+    the output tensors.
 
     The future's error is a real C++ error, not ``Future.set_exception`` (that one completes the
     future *successfully* with the exception as its value and only Python's ``wait()`` raises
@@ -61,8 +63,17 @@ class MinicommWork(dist._Work):
     by a ``then`` callback that raises, so torch reports it as a ``RuntimeError`` naming the
     minicomm error (``work.wait()`` raises the original).
 
-    ``wait_done(event, description)`` waits for ``event`` while the group makes progress (the
-    runner's ``wait_done``): an untimed ``wait()`` uses it."""
+    Args:
+        description (str): What the collective is (errors name it).
+        outputs (list[torch.Tensor]): The tensors the future completes with.
+        wait_done (Callable): ``wait_done(event, description)`` waits for ``event`` while the
+            group makes progress (the runner's ``wait_done``): an untimed ``wait()`` uses it.
+
+    Examples:
+        >>> work = dist.all_reduce(t, async_op=True)  # doctest: +SKIP
+        >>> work.wait()  # doctest: +SKIP
+        True
+    """
 
     def __init__(self, description: str, outputs: List[torch.Tensor],
                  wait_done: Callable[[threading.Event, str], None]):
@@ -76,7 +87,11 @@ class MinicommWork(dist._Work):
         self._future = self._source.then(_unwrap)
 
     def finish(self, error: Optional[BaseException]) -> None:
-        """Complete the work (the runner calls it once, outside the communicator's lock)."""
+        """Complete the work (the runner calls it once, outside the communicator's lock).
+
+        Args:
+            error (BaseException | None): The collective's error, or None for success.
+        """
         self._error = error
         self._done.set()
         try:
@@ -86,7 +101,18 @@ class MinicommWork(dist._Work):
                   f"{type(e).__name__}: {e}", file=sys.stderr)
 
     def wait(self, timeout=None) -> bool:
-        """True once the collective has completed; raises its error, or ``CommTimeout``."""
+        """True once the collective has completed.
+
+        Args:
+            timeout (datetime.timedelta | float | None): The longest wait (None or 0: until done).
+
+        Returns:
+            (bool): True.
+
+        Raises:
+            CommTimeout: Not done within ``timeout``.
+            CommError: The collective's own error (``MismatchError``, ``PeerFailure``...).
+        """
         secs = wait_seconds(timeout)
         if secs is not None:
             if not self._done.wait(secs):
@@ -98,22 +124,55 @@ class MinicommWork(dist._Work):
         return True
 
     def get_future(self) -> torch.futures.Future:
+        """The future completed on the group's worker thread (with the output tensors, or in error).
+
+        Returns:
+            (torch.futures.Future): The future; its error names the minicomm error.
+        """
         return self._future
 
     def is_completed(self) -> bool:
+        """Whether the collective has finished (successfully or not).
+
+        Returns:
+            (bool): True once done.
+        """
         return self._done.is_set()
 
     def is_success(self) -> bool:
+        """Whether the collective has finished without an error.
+
+        Returns:
+            (bool): True once done successfully.
+        """
         return self._done.is_set() and self._error is None
 
     def exception(self):
+        """The collective's error, if it failed.
+
+        Returns:
+            (BaseException | None): The error, or None.
+        """
         return self._error
 
     def result(self) -> List[torch.Tensor]:
+        """The output tensors, once the collective has completed.
+
+        Returns:
+            (list[torch.Tensor]): The outputs.
+
+        Raises:
+            CommError: The collective's own error.
+        """
         self.wait()
         return self._outputs
 
     def synchronize(self) -> None:      # CPU: nothing to synchronize with
+        """Nothing to do: CPU tensors need no stream synchronization.
+
+        Returns:
+            (None): At once.
+        """
         pass
 
     def __repr__(self):
