@@ -58,7 +58,7 @@ def _record(figures: dict, docs: str) -> None:
         print(f"{name}: {describe(rec)}\n  regenerate: {rec['regenerate']}")
 
 
-def demo(docs: str) -> dict:
+def demo(docs: str, made: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         done = _minicomm(["demo", "--out", tmp], stdout=subprocess.PIPE, text=True)
         for src, dst in (("loss_vs_step.png", "demo-loss.png"),
@@ -66,17 +66,17 @@ def demo(docs: str) -> dict:
             shutil.copyfile(os.path.join(tmp, src), os.path.join(docs, dst))
     with open(os.path.join(docs, "demo-output.txt"), "w") as f:   # the table the plots go with
         f.write(done.stdout.replace(tmp, "DIR"))
-    rec = dict(stamp(), regenerate="python examples/docs_figures.py demo",
+    rec = dict(made, regenerate="python examples/docs_figures.py demo",
                made_by="minicomm demo --out DIR (its defaults)")
     return {"demo-loss.png": rec, "demo-throughput.png": rec}
 
 
-def sim(docs: str) -> dict:
+def sim(docs: str, made: dict) -> dict:
     png = os.path.join(docs, "sim-dgx-h100-16.png")
     done = _minicomm(SIM_ARGS + ["--json", "--plot", png], stdout=subprocess.PIPE, text=True)
     with open(os.path.join(docs, "sim-dgx-h100-16.json"), "w") as f:
         f.write(done.stdout)
-    rec = dict(stamp(), regenerate="python examples/docs_figures.py sim",
+    rec = dict(made, regenerate="python examples/docs_figures.py sim",
                made_by="minicomm " + " ".join(SIM_ARGS) + " --json --plot FILE")
     return {"sim-dgx-h100-16.png": rec}
 
@@ -168,11 +168,11 @@ def main(argv=None) -> int:
     if a.what == "tables":
         tables(a.docs)
         return 0
-    figures = {}
+    figures, made = {}, stamp()      # the tree as it was before this run wrote into it
     if a.what in ("figures", "sim"):
-        figures.update(sim(a.docs))
+        figures.update(sim(a.docs, made))
     if a.what in ("figures", "demo"):
-        figures.update(demo(a.docs))
+        figures.update(demo(a.docs, made))
     _record(figures, a.docs)
     return 0
 
