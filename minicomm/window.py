@@ -16,6 +16,21 @@ Offsets and counts are in elements of the window's dtype (every rank exposes the
 sizes may differ). Ops: sum prod min max band bor bxor and "replace"; fetch_and_op also "no_op"
 (an atomic read). compare_and_swap takes integer and bool windows (as MPI).
 
+Values. An ndarray given as data follows numpy's dtype rule: it is cast to the window's dtype
+when that is a same-kind cast (``np.can_cast(..., "same_kind")``), else TypeError. Anything else
+-- a Python number, a numpy scalar, a list of them, and every value / compare of
+``fetch_and_op`` / ``compare_and_swap`` given that way -- is checked by value, the same on every
+transport: an integer window takes integers (Python ints, numpy integers, bools) within its
+dtype's range, a float window real numbers within its finite range (inf and nan are values
+too), a complex window any number, a bool window bools. A value of another kind is a TypeError,
+one out of range a ValueError naming the value, the dtype and the range; both are raised before
+anything moves. (To decrement an unsigned counter, use a signed window or add 2**bits - 1.)
+
+The window's end. Every operation on a freed window, or on a window whose communicator is
+closed, raises ``mc.RMAError`` saying which; ``free()`` of a window whose communicator was
+closed first releases this rank's memory (no barrier is possible, ``array`` is not updated) and
+raises that RMAError once. Free windows before closing their communicator.
+
 Epochs (MPI-3). An operation on ``target`` needs an access epoch: after a ``fence()`` (active
 target: every rank calls it; each fence completes every operation issued before it, on every
 rank, before any rank returns), or between ``lock(target)`` and ``unlock(target)`` (passive
@@ -36,10 +51,16 @@ the features each channel declares, transports/base.py's ``OneSidedChannel``):
         takes the target's *accumulate lock* (a word acquired with CMP_SWAP), then READ, op,
         WRITE, release -- the way Open MPI's osc/rdma does -- unless this rank holds an
         exclusive lock on the target, which already excludes everyone.
-Passive-target locks are a lock word in the target's window (exclusive bit + shared count),
-taken with atomics; a contended lock is polled with exponential backoff (yield, then sleeps
-from a microsecond doubling to a millisecond) -- no RDMA NIC notifies a lock release -- until
-``comm.timeout``.
+Passive-target locks are a lock word in the target's window (the exclusive holder's rank + 1
+in the high 32 bits, the count of shared holders in the low 32), taken with atomics; a contended
+lock is polled with exponential backoff (yield, then sleeps from a microsecond doubling to a
+millisecond) -- no RDMA NIC notifies a lock release -- until ``comm.timeout``. A holder that is
+gone (it exited, crashed, aborted or closed its transport without unlocking; what the transport
+learns from the peer's link, ``peer_gone`` of its channel) ends the wait at once with
+``PeerFailure`` naming it, for the exclusive lock and for the accumulate lock (which holds the
+holder's rank + 1) alike; the lock stays held, so that target cannot be locked again. Shared
+holders are counted, not named: a waiter for an exclusive lock behind a dead shared holder gets
+the CommTimeout.
 
 Memory. ``array`` is copied into memory the transport can expose (a /dev/shm mapping the peers
 share, or the simulated NIC's registered region); ``win.local`` is that memory. ``free()`` copies
@@ -62,21 +83,42 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from . import ops as _ops
-from .errors import CommTimeout, RMAError
+from .errors import CommTimeout, PeerFailure, RMAError
 
 CONTROL = 64                          # bytes before the data: the lock word, the accumulate lock
 _LOCK, _ACC = 0, 8
-EXCL = 1 << 32                        # lock word: exclusive bit above the shared count
+EXCL = 1 << 32                        # lock word: (exclusive holder + 1) * EXCL + shared count
 ACC_OPS = ("sum", "prod", "min", "max", "band", "bor", "bxor", "replace")
 FOP_OPS = ACC_OPS + ("no_op",)
 _channels = itertools.count(1000)     # rdma QP numbers of windows (landing traffic uses 1)
 _WORDS = {np.dtype(np.int64): ("q", (int,), 64, True), np.dtype(np.uint64): ("Q", (int,), 64, False),
           np.dtype(np.int32): ("i", (int,), 32, True), np.dtype(np.uint32): ("I", (int,), 32, False),
           np.dtype(np.float64): ("d", (int, float), 0, False)}
-_UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
-           "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor,
-           "replace": None, "no_op": None}
 _U8 = np.dtype(np.uint8)
+# the kinds of values a window of each kind takes (module doc, Values); numpy's "u" counts as "i"
+_TAKES = {"b": {"b"}, "i": {"b", "i"}, "u": {"b", "i"}, "f": {"b", "i", "f"},
+          "c": {"b", "i", "f", "c"}}
+_TAKES_TEXT = {"b": "bools", "i": "integers (Python ints, numpy integers, bools)",
+               "f": "real numbers", "c": "numbers"}
+_TAKES_TEXT["u"] = _TAKES_TEXT["i"]
+
+
+def _kind_of(v) -> str:
+    """The kind of one Python or numpy value: b, i, f, c, or "" for anything else."""
+    if isinstance(v, (bool, np.bool_)):
+        return "b"
+    if isinstance(v, (int, np.integer)):
+        return "i"
+    if isinstance(v, (float, np.floating)):
+        return "f"
+    if isinstance(v, (complex, np.complexfloating)):
+        return "c"
+    return ""
+
+
+def _holder(word: int) -> int:
+    """The rank holding a lock word exclusively, or -1 (free, or shared holders: unnamed)."""
+    return (word >> 32) - 1 if word >= EXCL else -1
 
 
 def _apply(op: str, target: np.ndarray, src: np.ndarray) -> None:
@@ -123,12 +165,20 @@ class Window:
         self.rank, self.size = comm.rank, comm.size
         self.dtype = arr.dtype
         self._isz = arr.dtype.itemsize
+        # the values the dtype holds (module doc, Values): the fast paths compare with these
+        if arr.dtype.kind in "iu":
+            info = np.iinfo(arr.dtype)
+            self._lo, self._hi = int(info.min), int(info.max)
+        elif arr.dtype.kind in "fc":
+            big = float(np.finfo(arr.dtype).max)
+            self._lo, self._hi = -big, big
+        else:
+            self._lo, self._hi = 0, 1
         self._user = array if isinstance(array, np.ndarray) and array.flags.writeable else None
         self._fence = False
         self._freed = False
         self._typed: List = []
         self._words: List = []
-        self._valid_ops: set = set()
         self._locks: Dict[int, str] = {}
         self._channels: List = []
         self._exposure = None
@@ -164,22 +214,23 @@ class Window:
         self._wrap = (1 << bits) - 1 if bits else 0
         self._wrap_off = (1 << (bits - 1)) if bits and signed else 0
         self._scalar = self.dtype.type
-        self._valid_ops = set()
-        for op in FOP_OPS:
-            try:
-                self._op(op, FOP_OPS, "fetch_and_op")
-                self._valid_ops.add(op)
-            except TypeError:
-                pass
 
     def __repr__(self):
         return (f"<Window rank {self.rank}/{self.size} dtype={self.dtype} "
                 f"elements={self._counts[self.rank]}{' freed' if self._freed else ''}>")
 
     # ------------------------------------------------------------------ argument checks
-    def _target(self, target, what: str) -> int:
+    def _live(self, what: str) -> None:
+        """THE check every operation makes first (``_target`` for those with a target): a freed
+        window, or one whose communicator is closed, refuses it (module doc, The window's end)."""
         if self._freed:
-            raise RMAError(f"win.{what}: the window is freed")
+            raise RMAError(f"win.{what}: the window is freed (win.free() ended it)")
+        if self.comm._closed:
+            raise RMAError(f"win.{what}: the window's communicator is closed (comm.close() "
+                           f"before win.free()); the window can no longer be used")
+
+    def _target(self, target, what: str) -> int:
+        self._live(what)
         if not isinstance(target, (int, np.integer)) or not 0 <= target < self.size:
             raise ValueError(f"win.{what}: target {target!r} is not a rank of this window's "
                              f"communicator (size {self.size})")
@@ -202,13 +253,78 @@ class Window:
         return CONTROL + offset * self._isz
 
     def _data(self, data, what: str) -> np.ndarray:
-        a = np.asarray(data)
+        """``data`` as a flat contiguous array of the window's dtype (module doc, Values)."""
+        if not isinstance(data, np.ndarray):
+            return self._values(data, what)
+        a = data
         if a.dtype != self.dtype:
             if not np.can_cast(a.dtype, self.dtype, casting="same_kind"):
                 raise TypeError(f"win.{what}: data of dtype {a.dtype} does not fit a window of "
                                 f"{self.dtype}")
             a = a.astype(self.dtype)
         return np.ascontiguousarray(a).reshape(-1)
+
+    def _values(self, data, what: str) -> np.ndarray:
+        """Python numbers, numpy scalars or sequences of them, checked by value: the one rule
+        of every transport (module doc, Values)."""
+        dt = self.dtype
+        try:
+            a = np.asarray(data)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise TypeError(f"win.{what}: {data!r:.80} is not numbers for a window of {dt} "
+                            f"({e})") from None
+        if a.dtype.kind == "O":       # Python ints beyond 64 bits, or mixed: one by one
+            for v in a.reshape(-1):
+                self._check_value(v, _kind_of(v), what)
+            return np.array(a.reshape(-1).tolist(), dtype=dt)
+        flat = a.reshape(-1)
+        kind = "i" if a.dtype.kind == "u" else a.dtype.kind
+        if flat.size == 0:            # no values (an empty list): nothing to refuse
+            return np.empty(0, dtype=dt)
+        if kind not in _TAKES[dt.kind]:
+            self._check_value(flat[0].item(), "", what)
+        if dt.kind in "iu" and kind == "i":
+            bad = (flat < self._lo) | (flat > self._hi)
+        elif dt.kind in "fc" and kind in ("i", "f", "c"):
+            x = flat.astype(np.clongdouble if kind == "c" else np.longdouble)
+            parts = (x.real, x.imag) if kind == "c" else (x,)
+            bad = np.zeros(flat.size, dtype=bool)
+            for x in parts:
+                bad |= np.isfinite(x) & (np.abs(x) > self._hi)
+        else:
+            bad = None
+        if bad is not None and bad.any():
+            self._check_value(flat[int(np.argmax(bad))].item(), kind, what)
+        return flat.astype(dt)
+
+    def _check_value(self, v, kind: str, what: str) -> None:
+        """Raise the named TypeError / ValueError if the one value ``v`` (of ``kind``, see
+        ``_kind_of``) does not fit the window's dtype (module doc, Values)."""
+        dt = self.dtype
+        if kind not in _TAKES[dt.kind]:
+            raise TypeError(f"win.{what}: {v!r:.80} ({type(v).__name__}) does not fit a window "
+                            f"of {dt}, which takes {_TAKES_TEXT[dt.kind]}")
+        if dt.kind in "iu":
+            fits = kind == "b" or self._lo <= int(v) <= self._hi
+        elif dt.kind in "fc":
+            try:
+                parts = (complex(v).real, complex(v).imag)
+            except OverflowError:
+                parts = (float("inf"),)
+            fits = all(not np.isfinite(x) and kind != "i" or abs(x) <= self._hi
+                       for x in parts)
+        else:
+            fits = True
+        if not fits:
+            raise ValueError(f"win.{what}: value {v!r:.80} does not fit the window's dtype {dt} "
+                             f"(range {self._lo!r} .. {self._hi!r})")
+
+    def _value(self, value, what: str) -> np.ndarray:
+        """The one value of an atomic, as a one-element array of the window's dtype."""
+        src = self._data(value, what)
+        if src.size != 1:
+            raise ValueError(f"win.{what}: one value, got {src.size}")
+        return src
 
     def _op(self, op, allowed, what: str) -> str:
         name = str(op).lower()
@@ -234,9 +350,12 @@ class Window:
 
         Raises:
             RMAError: Outside an access epoch (no ``fence()`` and no ``lock(target)``), elements
-                outside the target's window, or a freed window; before anything moves.
-            TypeError: Data of a dtype that does not fit the window, or an offset not an int.
-            ValueError: A target that is not a rank of the communicator.
+                outside the target's window, a freed window or a closed communicator; before
+                anything moves.
+            TypeError: Data of a dtype or kind the window does not take, or an offset not an
+                int.
+            ValueError: A Python value outside the dtype's range, or a target that is not a
+                rank of the communicator.
 
         Examples:
             >>> for t in range(comm.size): win.put(np.array([comm.rank + 1.0]), t, offset=comm.rank)
@@ -263,7 +382,8 @@ class Window:
 
         Raises:
             RMAError: Outside an access epoch (no ``fence()`` and no ``lock(target)``), elements
-                outside the target's window, or a freed window; before anything moves.
+                outside the target's window, a freed window or a closed communicator; before
+                anything moves.
             TypeError: An offset that is not an int.
             ValueError: A target that is not a rank of the communicator.
 
@@ -300,9 +420,12 @@ class Window:
 
         Raises:
             RMAError: Outside an access epoch (no ``fence()`` and no ``lock(target)``), elements
-                outside the target's window, or a freed window; before anything moves.
-            TypeError: Data that does not fit the window, or an op the dtype has no meaning for.
-            ValueError: An unknown op, or a target that is not a rank of the communicator.
+                outside the target's window, a freed window or a closed communicator; before
+                anything moves.
+            TypeError: Data of a dtype or kind the window does not take, or an op the dtype has
+                no meaning for.
+            ValueError: A Python value outside the dtype's range, an unknown op, or a target
+                that is not a rank of the communicator.
 
         Examples:
             >>> win.accumulate(np.ones(2), target=0, offset=0)      # both ranks add into rank 0's
@@ -331,9 +454,12 @@ class Window:
 
         Raises:
             RMAError: Outside an access epoch (no ``fence()`` and no ``lock(target)``), elements
-                outside the target's window, or a freed window; before anything moves.
-            TypeError: Data that does not fit the window, or an op the dtype has no meaning for.
-            ValueError: An unknown op, or a target that is not a rank of the communicator.
+                outside the target's window, a freed window or a closed communicator; before
+                anything moves.
+            TypeError: Data of a dtype or kind the window does not take, or an op the dtype has
+                no meaning for.
+            ValueError: A Python value outside the dtype's range, an unknown op, or a target
+                that is not a rank of the communicator.
 
         Examples:
             >>> win.get_accumulate(np.array([5.0]), target=0, offset=comm.rank)
@@ -366,53 +492,38 @@ class Window:
 
         Raises:
             RMAError: Outside an access epoch (no ``fence()`` and no ``lock(target)``), elements
-                outside the target's window, or a freed window; before anything moves.
-            TypeError: A value that does not fit the window, or an op the dtype has no meaning for.
-            ValueError: More than one value, an unknown op, or a bad target.
+                outside the target's window, a freed window or a closed communicator; before
+                anything moves.
+            TypeError: A value of a kind the window does not take (module doc, Values), or an
+                op the dtype has no meaning for.
+            ValueError: A value outside the dtype's range, more than one value, an unknown op,
+                or a bad target.
 
         Examples:
             >>> ticket = win.fetch_and_op(1.0, target=0, offset=7)   # each rank draws one
             >>> sorted(comm.allgather_object(int(ticket)))
             [0, 1]
         """
-        # The hot case (a counter, a ticket): a shm target, a valid op and offset, an open
-        # epoch -- one critical section on a typed view of the target, nothing else.
-        if type(target) is int and 0 <= target < self.size and op in self._valid_ops \
-                and (self._fence or target in self._locks) and type(offset) is int \
-                and 0 <= offset < self._counts[target]:
-            words = self._words[target]
-            if words is not None and op == "sum" and type(value) in self._word_types:
-                m = self._channels[target].mutex
-                m.acquire()
-                try:
-                    old = words[offset]
-                    new = old + value
-                    if self._wrap:
-                        new = ((new + self._wrap_off) & self._wrap) - self._wrap_off
-                    words[offset] = new
-                finally:
-                    m.release()
-                return self._scalar(old)
-            typed = self._typed[target]
-            if typed is not None:
-                seg = typed[offset:offset + 1]
-                uf = _UFUNCS[op]
-                m = self._channels[target].mutex
-                m.acquire()
-                try:
-                    old = seg[0]
-                    if uf is not None:
-                        uf(seg, value, out=seg)
-                    elif op == "replace":
-                        seg[0] = value
-                finally:
-                    m.release()
-                return old
         t, ch = self._begin(target, "fetch_and_op")
+        # The hot case (a counter, a ticket): a shm target of a common dtype, a Python number
+        # in its range, op sum -- one critical section on a word view of the target.
+        words = self._words[t]
+        if words is not None and op == "sum" and type(value) in self._word_types \
+                and self._lo <= value <= self._hi and type(offset) is int \
+                and 0 <= offset < self._counts[t]:
+            m = ch.mutex
+            m.acquire()
+            try:
+                old = words[offset]
+                new = old + value
+                if self._wrap:
+                    new = ((new + self._wrap_off) & self._wrap) - self._wrap_off
+                words[offset] = new
+            finally:
+                m.release()
+            return self._scalar(old)
         op = self._op(op, FOP_OPS, "fetch_and_op")
-        src = self._data(value, "fetch_and_op")
-        if src.size != 1:
-            raise ValueError(f"win.fetch_and_op: one value, got {src.size}")
+        src = self._value(value, "fetch_and_op")
         boff = self._span(t, offset, 1, "fetch_and_op")
         return self._rmw(t, ch, boff, src, op, True)[0]
 
@@ -432,9 +543,11 @@ class Window:
 
         Raises:
             RMAError: Outside an access epoch (no ``fence()`` and no ``lock(target)``), elements
-                outside the target's window, or a freed window; before anything moves.
-            TypeError: A window that is not of an integer or bool dtype.
-            ValueError: More than one value, or a bad target.
+                outside the target's window, a freed window or a closed communicator; before
+                anything moves.
+            TypeError: A window that is not of an integer or bool dtype, or a value of another
+                kind than its dtype's.
+            ValueError: A value outside the dtype's range, more than one value, or a bad target.
 
         Examples:
             >>> flag = comm.window(np.zeros(1, dtype=np.int64))
@@ -444,30 +557,26 @@ class Window:
             [False, True]
             >>> flag.free()
         """
-        # the hot case, as fetch_and_op's: an integer shm target, Python ints, an open epoch
-        if type(target) is int and 0 <= target < self.size and type(value) is int \
-                and type(compare) is int and self.dtype.kind in "iu" \
-                and (self._fence or target in self._locks) and type(offset) is int \
-                and 0 <= offset < self._counts[target]:
-            words = self._words[target]
-            if words is not None:
-                m = self._channels[target].mutex
-                m.acquire()
-                try:
-                    old = words[offset]
-                    if old == compare:
-                        words[offset] = value
-                finally:
-                    m.release()
-                return self._scalar(old)
         t, ch = self._begin(target, "compare_and_swap")
         if self.dtype.kind not in "biu":
             raise TypeError(f"win.compare_and_swap needs an integer or bool window (as MPI), "
                             f"this one holds {self.dtype}")
-        new = self._data(value, "compare_and_swap")
-        cmp = self._data(compare, "compare_and_swap")
-        if new.size != 1 or cmp.size != 1:
-            raise ValueError("win.compare_and_swap: one value and one compare value")
+        # the hot case, as fetch_and_op's: an integer shm target, Python ints in its range
+        words = self._words[t]
+        if words is not None and type(value) is int and type(compare) is int \
+                and self._lo <= value <= self._hi and self._lo <= compare <= self._hi \
+                and type(offset) is int and 0 <= offset < self._counts[t]:
+            m = ch.mutex
+            m.acquire()
+            try:
+                old = words[offset]
+                if old == compare:
+                    words[offset] = value
+            finally:
+                m.release()
+            return self._scalar(old)
+        new = self._value(value, "compare_and_swap")
+        cmp = self._value(compare, "compare_and_swap")
         boff = self._span(t, offset, 1, "compare_and_swap")
         if ch.native_atomics and self._isz == 8:
             old = ch.cas(boff, int(cmp.view(np.int64)[0]), int(new.view(np.int64)[0]))
@@ -529,26 +638,50 @@ class Window:
         if self._locks.get(t) == "exclusive":
             yield                     # our exclusive lock already excludes everyone
             return
-        me = self.rank + 1
-        self._acquire(lambda: ch.cas(_ACC, 0, me) == 0, f"win accumulate lock of rank {t}")
+        me = self.rank + 1            # the word names its holder (module doc: Passive-target)
+
+        def attempt():
+            seen = ch.cas(_ACC, 0, me)
+            return None if seen == 0 else seen - 1
+        self._acquire(attempt, f"win accumulate lock of rank {t}")
         try:
             yield
         finally:
             ch.cas(_ACC, me, 0)
 
     def _acquire(self, attempt, what: str) -> None:
-        """Poll ``attempt()`` with exponential backoff until it succeeds or comm.timeout."""
+        """Poll ``attempt()`` with exponential backoff until it succeeds (returns None; else it
+        returns the rank holding the lock, -1 when unnamed). A holder whose death is known ends
+        the wait with PeerFailure at once; anything else, comm.timeout with CommTimeout."""
         deadline = time.monotonic() + self.comm.timeout
         k = 0
-        while not attempt():
+        while True:
+            holder = attempt()
+            if holder is None:
+                return
+            named = 0 <= holder < self.size and holder != self.rank
+            if named and k >= 8:      # past the first yields: the holder is not just slow
+                self._holder_alive(holder, what)
             if time.monotonic() > deadline:
-                raise CommTimeout(f"{what}: still held by another rank after "
+                held = f"rank {holder}" if named else "another rank"
+                raise CommTimeout(f"{what}: still held by {held} after "
                                   f"{self.comm.timeout:.0f} s")
             if k < 8:
                 os.sched_yield()
             else:
                 time.sleep(min(1e-3, 1e-6 * (1 << min(k - 8, 10))))
             k += 1
+
+    def _holder_alive(self, holder: int, what: str) -> None:
+        """Raise PeerFailure naming ``holder`` if its transport knows it is gone: it can never
+        release the lock (the channel reads the link's failure notices without blocking)."""
+        why = self._channels[holder].peer_gone()
+        if why is None:
+            return
+        e = PeerFailure(f"{what}: rank {holder} holds the lock and is gone ({why}); it can "
+                        f"never release it")
+        e.peer, e.clean = holder, "(it finished)" in why
+        raise e
 
     # ------------------------------------------------------------------ synchronization
     def fence(self) -> None:
@@ -558,7 +691,8 @@ class Window:
             (None): Once every rank's operations issued before it have completed everywhere.
 
         Raises:
-            RMAError: The window is freed, or this rank holds passive-target locks.
+            RMAError: The window is freed or its communicator closed, or this rank holds
+                passive-target locks.
             CommError: On failure of the barrier (``CommTimeout``, ``PeerFailure``).
 
         Examples:
@@ -567,8 +701,7 @@ class Window:
             >>> win.get(0, count=2)
             array([7., 7.])
         """
-        if self._freed:
-            raise RMAError("win.fence: the window is freed")
+        self._live("fence")
         if self._locks:
             raise RMAError(f"win.fence while holding passive-target locks on ranks "
                            f"{sorted(self._locks)}: unlock them first")
@@ -580,7 +713,9 @@ class Window:
     def lock(self, target: int, exclusive: bool = True) -> None:
         """Open a passive-target access epoch on ``target``; the target makes no call.
 
-        A contended lock is polled with exponential backoff until ``comm.timeout``.
+        A contended lock is polled with exponential backoff until ``comm.timeout``; a holder
+        that is gone (exited, crashed, or closed its transport without unlocking) ends the wait
+        as soon as this rank's transport knows it.
 
         Args:
             target (int): The rank whose window is accessed.
@@ -591,8 +726,11 @@ class Window:
             (None): Once the lock is held.
 
         Raises:
-            RMAError: This rank already holds a lock on ``target``, or the window is freed.
+            RMAError: This rank already holds a lock on ``target``, or the window is freed or
+                its communicator closed.
             ValueError: A target that is not a rank of the communicator.
+            PeerFailure: The rank holding the lock exclusively is gone (``peer`` names it); it
+                can never release the lock.
             CommTimeout: The lock was still held by another rank after ``comm.timeout``.
 
         Examples:
@@ -608,14 +746,20 @@ class Window:
             raise RMAError(f"win.lock: rank {t} is already locked by this rank (unlock it first)")
         ch = self._channels[t]
         if exclusive:
-            self._acquire(lambda: ch.cas(_LOCK, 0, EXCL) == 0, f"win.lock({t}, exclusive)")
+            mine = (self.rank + 1) * EXCL     # the word names its holder
+
+            def attempt():
+                seen = ch.cas(_LOCK, 0, mine)
+                return None if seen == 0 else _holder(seen)
+            self._acquire(attempt, f"win.lock({t}, exclusive)")
         else:
-            def shared() -> bool:
-                if ch.fadd(_LOCK, 1) < EXCL:
-                    return True
+            def attempt():
+                seen = ch.fadd(_LOCK, 1)
+                if seen < EXCL:
+                    return None
                 ch.fadd(_LOCK, -1)    # an exclusive holder: back off
-                return False
-            self._acquire(shared, f"win.lock({t}, shared)")
+                return _holder(seen)
+            self._acquire(attempt, f"win.lock({t}, shared)")
         self._locks[t] = "exclusive" if exclusive else "shared"
 
     def unlock(self, target: int) -> None:
@@ -628,7 +772,8 @@ class Window:
             (None): Once the operations are complete at the target.
 
         Raises:
-            RMAError: This rank holds no lock on ``target``, or the window is freed.
+            RMAError: This rank holds no lock on ``target``, or the window is freed or its
+                communicator closed.
             ValueError: A target that is not a rank of the communicator.
 
         Examples:
@@ -648,7 +793,7 @@ class Window:
             ch.flush()
         finally:
             del self._locks[t]
-            ch.fadd(_LOCK, -EXCL if kind == "exclusive" else -1)
+            ch.fadd(_LOCK, -(self.rank + 1) * EXCL if kind == "exclusive" else -1)
 
     def flush(self, target: int) -> None:
         """Complete this rank's operations at ``target``, within the epoch.
@@ -660,7 +805,7 @@ class Window:
             (None): Once they are complete at the target.
 
         Raises:
-            RMAError: Outside an access epoch, or a freed window.
+            RMAError: Outside an access epoch, a freed window or a closed communicator.
             ValueError: A target that is not a rank of the communicator.
 
         Examples:
@@ -679,14 +824,13 @@ class Window:
             (None): Once they are complete everywhere.
 
         Raises:
-            RMAError: The window is freed.
+            RMAError: The window is freed or its communicator closed.
 
         Examples:
             >>> win.put(np.array([3.0]), target=1 - comm.rank, offset=3)
             >>> win.flush_all()
         """
-        if self._freed:
-            raise RMAError("win.flush_all: the window is freed")
+        self._live("flush_all")
         for ch in self._channels:
             ch.flush()
 
@@ -715,6 +859,11 @@ class Window:
         """
         if self._freed:
             return
+        if self.comm._closed:         # no barrier is possible: release, and say why once
+            self._release()
+            raise RMAError("win.free: the window's communicator was closed first (comm.close() "
+                           "before win.free()); this rank's window memory is released without "
+                           "the closing barrier and the array did not receive its contents")
         if self._locks:
             raise RMAError(f"win.free while holding locks on ranks {sorted(self._locks)}")
         try:

@@ -189,21 +189,21 @@ def test_checkpoint_round_trip_modes_and_rotation(tmp_path):
     d = tmp_path / "ckpt"
     arrays = {"p0": np.arange(5.0), "s0.m": np.ones(5, np.float32)}
     for u in (5, 10, 15):
-        path = checkpoint.write(str(d), 1, u, {"clocks": [[2, u]]}, arrays)
+        path = checkpoint.write(str(d), 1, u, {"clocks": [[2, u]]}, arrays, run="r1")
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert [u for u, _ in checkpoint.available(str(d), 1)] == [10, 15]   # newest KEEP kept
-    assert checkpoint.available(str(d), 0) == []
+    assert [u for u, _ in checkpoint.available(str(d), 1, "r1")] == [10, 15]   # newest KEEP kept
+    assert checkpoint.available(str(d), 0, "r1") == []
     meta, back = checkpoint.read(path)
     assert meta["updates"] == 15 and meta["server"] == 1 and meta["clocks"] == [[2, 15]]
     np.testing.assert_array_equal(back["p0"], arrays["p0"])
     assert back["s0.m"].dtype == np.float32
     # a torn temporary (a crash mid-write) is never taken for a checkpoint, and is swept
-    (d / ".shard-001-u000000000020.npz.tmp123").write_bytes(b"half")
-    assert [u for u, _ in checkpoint.available(str(d), 1)] == [10, 15]
-    checkpoint.remove_temporaries(str(d), 1)
+    (d / ".shard-001-rr1-u000000000020.npz.x7k2m9qa.tmp").write_bytes(b"half")
+    assert [u for u, _ in checkpoint.available(str(d), 1, "r1")] == [10, 15]
+    checkpoint.remove_temporaries(str(d), 1, "r1")
     assert not any(n.startswith(".") for n in os.listdir(d))
-    bad = d / checkpoint.shard_file(1, 99)
+    bad = d / checkpoint.shard_file(1, 99, "r1")
     bad.write_bytes(b"not a zip")
     with pytest.raises(ps.CheckpointError):
         checkpoint.read(str(bad))
@@ -744,7 +744,7 @@ def _kill_and_resume(runner, tmp_path, how):
     files = sorted(os.listdir(ckpt))
     assert files and all(stat.S_IMODE(os.stat(os.path.join(ckpt, f)).st_mode) == 0o600
                          for f in files)
-    assert "shard-000-u000000000005.npz" in files
+    assert any(f.startswith("shard-000-r") and f.endswith("-u000000000005.npz") for f in files)
     out = _run(lambda c: train_job(c, 2, 12, ckpt=ckpt, every=5, resume=True), 4, runner)
     ref = reference_sync(2, 12)
     for p, clocks, first in out[2:]:

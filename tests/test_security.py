@@ -629,7 +629,7 @@ def test_checkpoint_files_and_directory_are_owner_only(tmp_path):
     from minicomm.ps import checkpoint
     old = os.umask(0)
     try:
-        path = checkpoint.write(str(tmp_path / "ck"), 0, 1, {}, {"w": np.ones(3)})
+        path = checkpoint.write(str(tmp_path / "ck"), 0, 1, {}, {"w": np.ones(3)}, run="r1")
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600

@@ -199,6 +199,10 @@ class OneSidedChannel(Protocol):
     def flush(self) -> None:
         """Complete every ``put`` posted so far."""
 
+    def peer_gone(self) -> Optional[str]:
+        """Why this channel's peer is known gone (died, aborted), or None; never blocks.
+        Lock waits ask it so a dead holder is a PeerFailure, not a timeout."""
+
     def close(self) -> None:
         """Release the channel's resources."""
 
@@ -221,6 +225,10 @@ class ChannelBase:
     def swap(self, off: int, value: int) -> int:
         """Atomically store ``value`` at ``off``; the old value (``native_swap``)."""
         raise NotImplementedError(f"{type(self).__name__} has no native swap")
+
+    def peer_gone(self) -> Optional[str]:
+        """Nothing known of the peer's death (a channel that can tell overrides this)."""
+        return None
 
 
 @runtime_checkable

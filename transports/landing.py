@@ -53,7 +53,7 @@ from .nic import (
     Device,
     LinkParams,
 )
-from .progress import Inbox, LinkEngine, Progress, Req, deliver
+from .progress import CLEAN_CLOSE, Inbox, LinkEngine, Progress, Req, deliver
 
 # a chunk is RING // 4 (at least 1 KiB, 64-byte aligned): a smaller ring could move nothing
 RING = byte_setting("MINICOMM_LANDING_BYTES", 4 << 20, minimum=4096, multiple=4096)
@@ -201,9 +201,13 @@ class LandingEngine(LinkEngine):
 
     def _link_failed(self, link: _Link, what: str) -> None:
         """End ``link`` with ``what`` plus the link's own reason (a protocol violation, an exit)
-        where the device knows it, whichever of the two was noticed first."""
+        where the device knows it, whichever of the two was noticed first; a write that failed
+        after the peer's goodbye ends it as finished (its goodbye came first)."""
         why = self.device.link_reason(link.peer)
-        link.closed = f"{what} ({why})" if why else what
+        if why is not None and why.startswith(CLEAN_CLOSE):
+            link.closed = why         # a write after its goodbye fails: it finished, no crash
+        else:
+            link.closed = f"{what} ({why})" if why else what
 
     def _peer_closed(self, peer: int, reason: str) -> None:
         link = self._by_peer.get(peer)
@@ -362,7 +366,7 @@ class LandingEngine(LinkEngine):
             if reason is not None and req.peer != self.rank:
                 e = PeerFailure(f"{what}: rank {self.rank} waiting for {req.what_for} of rank "
                                 f"{req.peer} over {self.name}: {reason}")
-                e.peer, e.clean = req.peer, False
+                e.peer, e.clean = req.peer, reason.startswith(CLEAN_CLOSE)
                 raise e
             if self._aborted is not None:
                 raise PeerFailure(f"{what}: this rank aborted: {self._aborted}")

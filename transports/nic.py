@@ -56,6 +56,7 @@ from .segment import (
     Arena,
     EventRing,
     SharedMutex,
+    hung_up,
     ring_bytes,
     round_up,
 )
@@ -676,6 +677,21 @@ class Device(RegionRegistry, AgentProtocol):
         if why is None and self.agent is not None:
             c = self.agent.conns.get(peer)
             why = c.closed if c is not None else None
+        return why
+
+    def peer_gone(self, peer: int) -> Optional[str]:
+        """Why ``peer`` is known gone (exited, crashed, aborted or closed its transport), or None
+        while it is up; never blocks; call it under the transport's lock. A peer on another
+        node: what its agent connection recorded. One on this node: its doorbell socket,
+        checked for a hang-up without reading it (``hung_up``); once it hung up, the rest is
+        read here as the progress engine's handler would (the goodbye or abort reason)."""
+        why = self.link_reason(peer)
+        if why is not None or peer == self.rank:
+            return why
+        s = self._socks.get(peer)
+        if s is not None and hung_up(s.fileno()):
+            self._on_doorbell(peer)
+            why = self.closed_peers.get(peer)
         return why
 
     def on_closed(self, peer: int, reason: str) -> None:

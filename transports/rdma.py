@@ -493,6 +493,11 @@ class _RdmaChannel(ChannelBase):
             self._wait("put")
             self._posted.pop(0)
 
+    def peer_gone(self) -> Optional[str]:
+        """Why this channel's peer is known gone, or None while it is up (nic.Device.peer_gone)."""
+        with self.t._lock:
+            return self.t.device.peer_gone(self.peer)
+
     def close(self) -> None:
         try:
             self.flush()

@@ -33,6 +33,7 @@ import ctypes
 import errno
 import mmap
 import os
+import select
 import struct
 import time
 from typing import Optional
@@ -72,6 +73,18 @@ def check_owner(fd: int, path: str) -> None:
     if st.st_mode & 0o077:
         raise CommError(f"shm: {path} has permissions {st.st_mode & 0o777:o}, not owner-only "
                         f"(0600); refusing to map it")
+
+
+def hung_up(fd: int) -> bool:
+    """Whether the far end of the stream socket ``fd`` hung up (its process exited, crashed, or
+    shut its side down), seen without reading: a recv would take a doorbell byte that the
+    progress engine's blocked waiter needs; poll() reports POLLRDHUP / POLLHUP / POLLERR and
+    consumes nothing."""
+    if fd < 0:
+        return False
+    p = select.poll()
+    p.register(fd, select.POLLRDHUP)
+    return bool(p.poll(0))
 
 
 def round_up(n: int, to: int = PAGE) -> int:

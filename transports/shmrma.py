@@ -7,7 +7,8 @@ Every rank puts its window memory in ``/dev/shm/minicomm-<job>-<name>-<rank>`` (
 target's process-shared mutex, so every one of them on a target is atomic with respect to the
 others, whatever the op or dtype. Nothing on the target side takes part (its process may be busy
 computing). The names are unlinked once every member has mapped them (``seal``, after the
-window's creation barrier), on close and at exit.
+window's creation barrier), on close and at exit. ``peer_gone`` tells a window waiting for a
+lock whether the rank holding it is gone, from what the transport knows of that peer's link.
 
 This is MPI_Win_allocate_shared's mechanism (what MPICH does for ranks of one node), the fastest
 way one process can reach another's memory; the rdma and ub transports simulate NICs instead.
@@ -18,13 +19,14 @@ Cost: put / get of n bytes: one copy (n / memory bandwidth); an atomic: a mutex 
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import numpy as np
 
 from minicomm.errors import CommError
 from .base import ChannelBase
 from .bytecopy import copy
-from .segment import PAGE, Arena, SharedMutex, round_up
+from .segment import PAGE, Arena, SharedMutex, hung_up, round_up
 
 
 class ShmRma:
@@ -39,7 +41,7 @@ class ShmRma:
         return ShmExposure(path, nbytes)
 
     def rma_attach(self, peer: int, descriptor: bytes, channel: int) -> "ShmChannel":
-        return ShmChannel(descriptor.decode(), own=None)
+        return ShmChannel(descriptor.decode(), self.t, peer)
 
 
 class ShmExposure:
@@ -71,7 +73,8 @@ class ShmChannel(ChannelBase):
     native_atomics = False    # fadd / cas are updates under the mutex
     native_swap = False
 
-    def __init__(self, path: str, own=None):
+    def __init__(self, path: str, transport, peer: int):
+        self.t, self.peer = transport, peer
         try:
             self.arena = Arena.attach(path)
         except FileNotFoundError:
@@ -116,6 +119,21 @@ class ShmChannel(ChannelBase):
 
     def flush(self) -> None:
         pass
+
+    def peer_gone(self) -> Optional[str]:
+        """Why this channel's peer is known gone (exited, crashed, aborted, closed its transport), or
+        None while it is up; never blocks. The shm transport records it when it reads the
+        peer's doorbell socket; a socket that hung up (``hung_up``, nothing read) is read here
+        under the transport's lock, as its progress engine would."""
+        t = self.t
+        p = t._peers.get(self.peer)   # None: this rank itself
+        if p is None:
+            return None
+        if p.closed is None and p.sock is not None and hung_up(p.fd):
+            with t._lock:
+                if p.closed is None:
+                    t._on_doorbell(p)
+        return p.closed
 
     def close(self) -> None:
         if self.arena is not None:

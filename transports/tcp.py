@@ -26,9 +26,16 @@ for the sender, no copy), unless a receive for another communicator is posted on
 the frame is read out of the way into an ``Unexpected`` buffer, so communicators cannot block
 each other.
 
-Failures. EOF or a reset on a connection -> PeerFailure for whoever waits on that peer, at once.
-``abort`` sends a frame with the reason (comm = -1) when the stream is at a frame boundary, then
-shuts the connection. Keepalive probes bound the wait on a host that vanished without a reset.
+Failures. A peer's stream is read in order: its data, then its goodbye, then its end. ``close``
+writes a goodbye frame (comm = -2) behind everything sent (waiting, at most ``BYE_WAIT_S``, for
+room behind data the peer has not read yet), then FIN: the peer *finished*, a clean PeerFailure
+for whoever waits on it (``ANY_SOURCE`` skips it). ``abort`` sends a frame with the reason (comm
+= -1) when the stream is at a frame boundary, then shuts the connection. The end of the stream
+(EOF, a reset) or a failed write is judged by what the stream held before it: a goodbye or abort
+frame staged ahead of the end is the verdict, even when the end was read first (staging reads
+ahead while the rank is busy in another call); only an end without one is a crash -- a
+PeerFailure for whoever waits on that peer, at once. Staged messages are delivered whatever the
+verdict. Keepalive probes bound the wait on a host that vanished without a reset.
 """
 from __future__ import annotations
 
@@ -50,8 +57,10 @@ FRAME = _FRAME.size
 RX_BYTES = 256 << 10                  # staging / bounce buffer per connection (fits in L2)
 DIRECT = 64 << 10                     # plain receives at least this large bypass staging
 ABORT_COMM = -1
+_FINISHED = CLEAN_CLOSE + " (it finished)"
 MAX_PAYLOAD = 1 << 48                 # a frame announcing more is malformed (PeerFailure)
 BYE_COMM = -2                         # an orderly close (then FIN)
+BYE_WAIT_S = 10.0                     # close waits this long at most for room for its goodbye
 PEEK_FRAMES = 1024                    # staged frames _peek_all reads before a rank blocks
 _MAX_IOV = 128
 _SEND_FLAGS = socket.MSG_NOSIGNAL
@@ -61,7 +70,7 @@ _WRITE_EV = select.EPOLLOUT | select.EPOLLHUP | select.EPOLLERR
 
 class _Conn:
     __slots__ = ("rank", "sock", "fd", "txq", "readable", "writable", "rx", "rx_np", "rx_mv",
-                 "lo", "hi", "rx_cur", "rx_total", "inbox", "closed")
+                 "lo", "hi", "rx_cur", "rx_total", "inbox", "closed", "broken")
 
     def __init__(self, rank: int, sock: socket.socket):
         self.rank, self.sock, self.fd = rank, sock, sock.fileno()
@@ -74,7 +83,8 @@ class _Conn:
         self.rx_cur = None                       # the target whose payload is arriving
         self.rx_total = 0
         self.inbox = Inbox(rank)
-        self.closed: Optional[str] = None
+        self.closed: Optional[str] = None        # the verdict, in stream order
+        self.broken: Optional[str] = None        # why a write failed (no more sends)
 
 
 def _split_addr(value: str):
@@ -154,7 +164,7 @@ class TcpTransport(LinkEngine):
         with self._lock:
             c.txq.append(req)
             self._active[c] = None
-            if len(c.txq) == 1 and c.closed is None:
+            if len(c.txq) == 1 and c.closed is None and c.broken is None:
                 self._push(c)         # eager: frame and payload leave in this very call
         return req
 
@@ -170,7 +180,7 @@ class TcpTransport(LinkEngine):
     def progress(self) -> bool:
         moved = False
         for c in list(self._active):
-            if c.txq and c.closed is None and self._push(c):
+            if c.txq and c.closed is None and c.broken is None and self._push(c):
                 moved = True
             if (c.inbox.n_posted or c.rx_cur is not None) and self._pull(c):
                 moved = True
@@ -200,7 +210,7 @@ class TcpTransport(LinkEngine):
                 c.writable = False    # the next EPOLLOUT edge sets it again
                 break
             except OSError as e:
-                c.closed = c.closed or f"its connection failed ({e.strerror or e})"
+                self._send_failed(c, f"its connection failed ({e.strerror or e})")
                 break
             moved = True
             while n:
@@ -237,7 +247,8 @@ class TcpTransport(LinkEngine):
                     c.closed = "it aborted: " + reason.decode(errors="replace")
                     break
                 if comm == BYE_COMM:
-                    c.closed = c.closed or CLEAN_CLOSE + " (it finished)"
+                    if c.closed is None or c.closed == c.broken:
+                        c.closed = _FINISHED    # a write after its goodbye failed: no crash
                     break
                 target = ib.match(Tag(comm, seq, step, call, count), total)
                 if target is None:
@@ -289,6 +300,8 @@ class TcpTransport(LinkEngine):
             n = c.hi - c.lo
             c.rx[:n] = c.rx[c.lo:c.hi]
             c.lo, c.hi = 0, n
+        if c.hi - c.lo == len(c.rx):
+            return False              # full: an empty read would look like the stream's end
         k = self._recv(c, c.rx_mv[c.hi:])
         if k <= 0:
             return False
@@ -302,14 +315,48 @@ class TcpTransport(LinkEngine):
             c.readable = False        # the next EPOLLIN edge sets it again
             return 0
         except OSError as e:
-            c.closed = c.closed or f"its connection failed ({e.strerror or e})"
-            c.readable = False
+            self._stream_ended(c, f"its connection failed ({e.strerror or e})")
             return -1
         if n == 0:
-            c.closed = c.closed or "it closed the connection (exited or crashed)"
-            c.readable = False
+            self._stream_ended(c, "it closed the connection (exited or crashed)")
             return -1
         return n
+
+    def _stream_ended(self, c: _Conn, reason: str) -> None:
+        """``c``'s inbound stream ended (EOF or a reset): staging holds all that is left of it,
+        and a goodbye or abort frame there, ahead of the end, is the verdict (read ahead of its
+        parsing by ``_peek_all``); ``reason``, a crash, only without one."""
+        c.readable = False
+        if c.closed is None or c.closed == c.broken:
+            c.closed = self._staged_verdict(c) or (c.closed or reason)
+
+    def _send_failed(self, c: _Conn, reason: str) -> None:
+        """A write to ``c`` failed. A peer that said goodbye and closed makes writes fail too,
+        so what its stream holds decides: stage what has arrived (its end, if reached, judges
+        it: ``_stream_ended``), then ``reason`` only if no goodbye or abort frame is staged."""
+        c.broken = reason
+        c.writable = False
+        c.readable = True             # a read that finds nothing costs one EAGAIN
+        while c.closed is None and self._fill(c):
+            pass
+        if c.closed is None:
+            c.closed = self._staged_verdict(c) or reason
+
+    def _staged_verdict(self, c: _Conn) -> Optional[str]:
+        """The verdict of the first goodbye or abort frame staged in ``c`` (past the payload
+        still arriving), or None: every staged frame is data, or a frame is cut by the end."""
+        pos = c.lo + (c.rx_total - c.rx_cur.off if c.rx_cur is not None else 0)
+        while pos + FRAME <= c.hi:
+            comm, _, _, _, _, total = _FRAME.unpack_from(c.rx, pos)
+            if comm == BYE_COMM:
+                return _FINISHED
+            if comm == ABORT_COMM:
+                reason = bytes(c.rx[pos + FRAME:min(c.hi, pos + FRAME + total)])
+                return "it aborted: " + reason.decode(errors="replace")
+            if not 0 <= total <= MAX_PAYLOAD:
+                return None
+            pos += FRAME + total
+        return None
 
     def sleep(self, flag: bool) -> None:
         """Nothing to announce: the kernel wakes a sleeping receiver on tcp."""
@@ -384,12 +431,15 @@ class TcpTransport(LinkEngine):
             if self._closed:
                 return
             self._closed = True
+            bye = _FRAME.pack(BYE_COMM, 0, 0, 0, 0, 0)
+            deadline = time.monotonic() + BYE_WAIT_S
             for c in self._conns.values():
                 self._progress.unregister(c.fd)
                 try:
-                    if self._aborted is None and (not c.txq or c.txq[0].off == 0):
-                        c.sock.send(_FRAME.pack(BYE_COMM, 0, 0, 0, 0, 0),
-                                    _SEND_FLAGS | socket.MSG_DONTWAIT)
+                    # a goodbye only at a frame boundary, to a peer still there
+                    if (self._aborted is None and c.closed is None and c.broken is None
+                            and (not c.txq or c.txq[0].off == 0)):
+                        self._say_goodbye(c, bye, deadline)
                     c.sock.shutdown(socket.SHUT_WR)      # FIN after the data still queued
                 except OSError:
                     pass
@@ -397,3 +447,38 @@ class TcpTransport(LinkEngine):
                 c.txq.clear()
                 c.rx_cur = None
         self._progress.detach(self)
+
+    @staticmethod
+    def _say_goodbye(c: _Conn, frame: bytes, deadline: float) -> bool:
+        """Write the goodbye frame behind everything sent. The socket's buffer may be full of
+        data the peer has not read yet (a send completes once the kernel holds it): wait for
+        room until ``deadline``, reading and dropping what the peer sends meanwhile (nothing is
+        received any more, and two ranks closing at once must not wait on each other's full
+        buffers). Returns whether the goodbye went: past the deadline the peer sees an end
+        without one. Raises OSError if the connection fails."""
+        view = memoryview(frame)
+        poller = None
+        want = select.POLLOUT | select.POLLIN
+        while view:
+            try:
+                view = view[c.sock.send(view, _SEND_FLAGS | socket.MSG_DONTWAIT):]
+                continue
+            except BlockingIOError:
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if poller is None:
+                poller = select.poll()
+                poller.register(c.fd, want)
+            for _, ev in poller.poll(max(1, int(left * 1000))):
+                if not want & select.POLLIN and ev & (select.POLLHUP | select.POLLERR):
+                    return False                        # it is gone: nobody to tell
+                if want & select.POLLIN and ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                    try:
+                        if c.sock.recv_into(c.rx_mv) == 0:
+                            want = select.POLLOUT    # its end: nothing more to drop
+                            poller.modify(c.fd, want)
+                    except BlockingIOError:
+                        pass
+        return True

@@ -648,6 +648,7 @@ class _UbChannel(ChannelBase):
     native_swap = True
 
     def __init__(self, t: UbTransport, peer: int, descriptor: bytes):
+        self.t, self.peer = t, peer
         info = SegmentInfo.unpack(descriptor[:_INFO.size])
         token = struct.unpack("<q", descriptor[_INFO.size:])[0]
         self.tseg = t.ub.import_segment(info, token)
@@ -670,6 +671,11 @@ class _UbChannel(ChannelBase):
 
     def flush(self) -> None:
         pass
+
+    def peer_gone(self) -> Optional[str]:
+        """Why this channel's peer is known gone, or None while it is up (nic.Device.peer_gone)."""
+        with self.t._lock:
+            return self.t.device.peer_gone(self.peer)
 
     def close(self) -> None:
         pass

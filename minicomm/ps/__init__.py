@@ -18,15 +18,18 @@ BSP (a clock's gradients averaged over the workers, applied once), None = async 
 optimizer step on arrival), k = SSP (a pull at clock c waits for the slowest worker to reach
 c - k); enforced by a clock per worker on every server (``shard``). Optimizers run on the servers
 (``SGD``, ``Adam``). ``checkpoint_every=N`` writes every shard and its clocks atomically every N
-updates (0600 files in a 0700 directory); ``resume=True`` restarts from the newest checkpoint all
-servers hold. Requests are binary frames validated field by field (``wire``); nothing a peer sends
-is unpickled, and the transport authenticates every peer with the job token before that.
+updates (0600 files in a 0700 directory), under the job's run id: a job never deletes, overwrites
+or restores another run's checkpoints (``checkpoint``); ``resume=True`` goes on with the named
+``run_id``, else the run that wrote last, from the newest checkpoint all servers hold. Requests
+are binary frames validated field by field (``wire``); nothing a peer sends is unpickled, and the
+transport authenticates every peer with the job token before that.
 
 Failures: in async/SSP mode a dead worker is dropped and the rest go on; in BSP mode the others'
 calls raise ``mc.PeerFailure`` (naming the dead rank) instead of hanging. A malformed request is
 refused with ``ProtocolError`` and the server keeps serving.
 
-Restrictions: floating-point arrays; the key set is fixed at ``init``; one thread per Worker;
+Restrictions: floating-point arrays; the key set is fixed at ``init`` (at most 12288 keys, names of
+1..1024 utf-8 bytes, 32 dimensions: a request must fit one 16 MiB frame); one thread per Worker;
 ``num_servers=None`` reads ``MINICOMM_NUM_SERVERS`` (``minicomm run -n 6 --servers 2``).
 Cost per step (model of M bytes, W workers, k servers): push + pull move 2M per worker; each
 server's link carries 2M·W/k, so k >= W keeps a server no busier than a worker, and a
@@ -37,7 +40,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, check_run_id
 from .optimizers import SGD, Adam, Optimizer
 from .server import Server
 from .sharding import Plan
@@ -70,7 +73,8 @@ def _num_servers(num_servers, size: int) -> int:
 
 def start(comm, num_servers: Optional[int] = None, staleness: Optional[int] = 0,
           optimizer: Optional[Optimizer] = None, checkpoint_dir=None, checkpoint_every: int = 0,
-          resume: bool = False, chunk_bytes: int = 4 << 20) -> Optional[Worker]:
+          resume: bool = False, chunk_bytes: int = 4 << 20,
+          run_id: Optional[str] = None) -> Optional[Worker]:
     """Make ranks ``0..num_servers-1`` parameter servers and the rest workers.
 
     Every rank of ``comm`` calls it with the same arguments. The servers serve until every
@@ -87,21 +91,31 @@ def start(comm, num_servers: Optional[int] = None, staleness: Optional[int] = 0,
             on arrival).
         optimizer (Optimizer | None): What the servers apply gradients with (default
             ``SGD(lr=0.1)``).
-        checkpoint_dir (str | os.PathLike | None): Where the servers write checkpoints.
+        checkpoint_dir (str | os.PathLike | None): Where the servers write checkpoints: created
+            0700, or an existing directory of this user that group and others cannot write.
         checkpoint_every (int): Write every shard and its clocks atomically every N updates
             (0: never).
-        resume (bool): Restart from the newest checkpoint all servers hold.
+        resume (bool): False: a new run, which never deletes, overwrites nor restores another
+            run's checkpoints. True: go on with the run ``run_id`` names, else with the run that
+            wrote the newest checkpoint, from the newest checkpoint all servers hold (none: from
+            the initial values).
         chunk_bytes (int): Arrays above this size are split across servers.
+        run_id (str | None): The run's name in the checkpoint files (1..64 letters, digits,
+            ``_.-``). With ``resume=False`` it must have no checkpoints yet (None: a fresh id
+            from the time and 32 random bits); with ``resume=True`` it picks the run to resume.
 
     Returns:
         (Worker | None): A ``Worker`` on worker ranks; None on server ranks, once every worker
             has closed.
 
     Raises:
-        ValueError: A bad num_servers, staleness, checkpoint_every or chunk_bytes, or
-            checkpointing asked for without a checkpoint_dir.
+        ValueError: A bad num_servers, staleness, checkpoint_every, chunk_bytes or run_id, or
+            checkpointing (or a run_id) asked for without a checkpoint_dir.
         TypeError: An optimizer that is not a ``ps.Optimizer``.
-        CheckpointError: ``resume`` found no usable checkpoint of this configuration.
+        CheckpointError: On the servers: the checkpoint directory is not a directory, is
+            another user's, or group or others can write it; ``resume=False`` with a
+            ``run_id`` that has checkpoints; ``resume`` found an unreadable checkpoint, one of
+            another configuration, or (a named run) no update count every server holds.
         PeerFailure: In synchronous mode, a worker died (naming it).
 
     Examples:
@@ -128,8 +142,13 @@ def start(comm, num_servers: Optional[int] = None, staleness: Optional[int] = 0,
             or checkpoint_every < 0:
         raise ValueError(f"ps.start: checkpoint_every must be an int >= 0, "
                          f"got {checkpoint_every!r}")
-    if (checkpoint_every or resume) and checkpoint_dir is None:
-        raise ValueError("ps.start: checkpoint_every and resume need a checkpoint_dir")
+    if (checkpoint_every or resume or run_id is not None) and checkpoint_dir is None:
+        raise ValueError("ps.start: checkpoint_every, resume and run_id need a checkpoint_dir")
+    if run_id is not None:
+        try:
+            check_run_id(run_id)
+        except ValueError as e:
+            raise ValueError(f"ps.start: {e}") from None
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 8:
         raise ValueError(f"ps.start: chunk_bytes must be an int >= 8, got {chunk_bytes!r}")
     checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
@@ -140,7 +159,7 @@ def start(comm, num_servers: Optional[int] = None, staleness: Optional[int] = 0,
     if sub.rank < k:
         try:
             Server(sub, k, workers, staleness, optimizer, chunk_bytes, checkpoint_dir,
-                   checkpoint_every, bool(resume)).run()
+                   checkpoint_every, bool(resume), run_id).run()
         finally:
             sub.close()
         return None

@@ -16,9 +16,11 @@ ended in order without ``kv.close()`` (links closed, no failure report) is found
 posted per worker on a tag nobody sends, polled every ``LIVENESS_S`` (1 s) and whenever a
 failure is reported. A failure naming no rank (the whole communicator failed) ends the server.
 
-Checkpoints are taken after every ``checkpoint_every``-th update; with ``resume=True`` the
-servers of a synchronous job first agree (server 0 collects what each has) on the newest update
-count every one of them holds, so all shards restart from the same clock.
+Checkpoints are taken after every ``checkpoint_every``-th update, under the job's run id
+(``checkpoint``): at start, server 0 collects every server's list of runs and update counts and
+decides for all (``checkpoint.choose``) which run this job is (a new one, or with
+``resume=True`` the one it goes on with) and what each server restores; a synchronous job
+restores the newest update count every server holds, so all shards restart from the same clock.
 
 Restrictions: a request's data messages must follow its frame within the timeout, else the
 request is refused. ``TEST_HOOKS["after_update"](shard)``, when set, runs after each update (after
@@ -28,6 +30,8 @@ Cost: see ``shard``; per request one small frame each way plus one message per p
 """
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 from typing import Dict, List, Optional, Tuple
@@ -42,6 +46,51 @@ from .shard import INITED, NEW, Refuse, Shard, clone_optimizer
 TEST_HOOKS: Dict[str, object] = {}
 _REAP_EVERY = 256
 LIVENESS_S = 1.0          # a worker gone without a failure report is noticed about this soon
+
+
+def _json_message(obj) -> np.ndarray:
+    """A server-to-server record as a uint8 message (JSON: nothing a peer sends is unpickled)."""
+    return np.frombuffer(json.dumps(obj).encode(), np.uint8)
+
+
+def _json_of(message, sender: str) -> dict:
+    if not isinstance(message, np.ndarray) or message.dtype != np.uint8 or message.ndim != 1:
+        raise wire.ProtocolError(f"{sender} sent a malformed checkpoint record")
+    try:
+        obj = json.loads(message.tobytes().decode())
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise wire.ProtocolError(f"{sender} sent a checkpoint record that is not JSON") from None
+    if not isinstance(obj, dict):
+        raise wire.ProtocolError(f"{sender} sent a checkpoint record that is not a JSON object")
+    return obj
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_run(x) -> bool:
+    try:
+        checkpoint.check_run_id(x)
+    except ValueError:
+        return False
+    return True
+
+
+def _listing_of(obj: dict, s: int) -> checkpoint.Listing:
+    """Server ``s``'s ``{"runs": {run: [mtime_ns, [updates...]]}}``, checked field by field."""
+    runs = obj.get("runs")
+    out = {}
+    ok = isinstance(runs, dict)
+    for run, entry in (runs.items() if ok else ()):
+        ok = (_is_run(run) and isinstance(entry, list) and len(entry) == 2 and _is_int(entry[0])
+              and isinstance(entry[1], list) and all(_is_int(u) and u >= 0 for u in entry[1]))
+        if not ok:
+            break
+        out[run] = (entry[0], sorted(entry[1]))
+    if not ok:
+        raise wire.ProtocolError(f"server {s} sent a malformed checkpoint list")
+    return out
 
 
 class Payload:
@@ -144,7 +193,8 @@ class Server:
     """Serve one shard until every worker has closed or died."""
 
     def __init__(self, comm, num_servers: int, workers, staleness, optimizer, chunk_bytes: int,
-                 checkpoint_dir: Optional[str], checkpoint_every: int, resume: bool):
+                 checkpoint_dir: Optional[str], checkpoint_every: int, resume: bool,
+                 run_id: Optional[str] = None):
         self.comm = comm
         self.timeout = comm.timeout
         self.num_servers = num_servers
@@ -152,57 +202,74 @@ class Server:
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self.shard = Shard(comm.rank, num_servers, workers, staleness, clone_optimizer(optimizer),
                            chunk_bytes, self.io, after_update=self._after_update)
+        self.run_id: Optional[str] = None      # the run this job's checkpoints belong to
         if checkpoint_dir is not None:
             checkpoint.ensure_dir(checkpoint_dir)
-        if resume:
-            self._resume()
+            if checkpoint_every or resume:
+                self._start_run(resume, run_id)
 
     # ------------------------------------------------------------------ checkpoints
     def _after_update(self, shard: Shard) -> None:
         if self.checkpoint_every and shard.updates % self.checkpoint_every == 0:
             meta, arrays = shard.snapshot()
-            checkpoint.write(self.checkpoint_dir, shard.server, shard.updates, meta, arrays)
+            checkpoint.write(self.checkpoint_dir, shard.server, shard.updates, meta, arrays,
+                             run=self.run_id)
         hook = TEST_HOOKS.get("after_update")
         if hook is not None:
             hook(shard)
 
-    def _resume(self) -> None:
-        server = self.shard.server
-        checkpoint.remove_temporaries(self.checkpoint_dir, server)
-        have = dict(checkpoint.available(self.checkpoint_dir, server))
-        if self.shard.sync and self.num_servers > 1:
-            choice = self._agree(sorted(have))
+    def _start_run(self, resume: bool, run_id: Optional[str]) -> None:
+        """Decide this job's run (server 0 for all) and restore its checkpoint, if any."""
+        server, directory = self.shard.server, self.checkpoint_dir
+        mine = checkpoint.runs(directory, server)
+        if self.num_servers > 1:
+            run, choice = self._agree(mine, resume, run_id)
         else:
-            choice = max(have) if have else -1
+            run, choices, note = checkpoint.choose([mine], resume, run_id, self.shard.sync,
+                                                   directory)
+            choice = choices[0]
+            if note:
+                print(f"minicomm.ps: {note}", file=sys.stderr)
+        self.run_id = run
+        if resume:
+            checkpoint.remove_temporaries(directory, server, run)
         if choice < 0:
-            if have:
-                print(f"minicomm.ps: server {server}: no checkpoint that every server holds; "
-                      f"starting from the initial values", file=sys.stderr)
             return
-        meta, arrays = checkpoint.read(have[choice])
-        self.shard.restore(meta, arrays, have[choice])
+        path = os.path.join(directory, checkpoint.shard_file(server, choice, run))
+        meta, arrays = checkpoint.read(path, run=run, server=server, updates=choice)
+        self.shard.restore(meta, arrays, path)
 
-    def _agree(self, have: List[int]) -> int:
-        """The newest update count every server holds a checkpoint of (-1: none)."""
+    def _agree(self, mine: checkpoint.Listing, resume: bool,
+               run_id: Optional[str]) -> Tuple[str, int]:
+        """Server 0 collects every server's runs and decides for all: (run, update count)."""
         t = wire.tag(wire.SERVER, 0)
         comm = self.comm
-        if comm.rank == 0:
-            common = set(have)
+        if comm.rank != 0:
+            comm.send(_json_message({"runs": {r: [m, u] for r, (m, u) in mine.items()}}), 0,
+                      tag=t)
+            got = _json_of(comm.recv(0, tag=t + 1, timeout=self.timeout), "server 0")
+            if isinstance(got.get("error"), str):
+                raise checkpoint.CheckpointError(got["error"])
+            run, choice = got.get("run"), got.get("updates")
+            if not isinstance(run, str) or not _is_run(run) or not _is_int(choice):
+                raise wire.ProtocolError("server 0 sent a malformed checkpoint choice")
+            return run, choice
+        listings = [mine]
+        for s in range(1, self.num_servers):
+            listings.append(_listing_of(_json_of(comm.recv(s, tag=t, timeout=self.timeout),
+                                                 f"server {s}"), s))
+        try:
+            run, choices, note = checkpoint.choose(listings, resume, run_id, self.shard.sync,
+                                                   self.checkpoint_dir)
+        except checkpoint.CheckpointError as e:
             for s in range(1, self.num_servers):
-                theirs = comm.recv(s, tag=t, timeout=self.timeout)
-                if not isinstance(theirs, np.ndarray) or theirs.dtype != np.int64 \
-                        or theirs.ndim != 1:
-                    raise wire.ProtocolError(f"server {s} sent a malformed checkpoint list")
-                common &= set(int(u) for u in theirs)
-            choice = max(common) if common else -1
-            for s in range(1, self.num_servers):
-                comm.send(np.array([choice], np.int64), s, tag=t + 1)
-            return choice
-        comm.send(np.array(have, np.int64), 0, tag=t)
-        got = comm.recv(0, tag=t + 1, timeout=self.timeout)
-        if not isinstance(got, np.ndarray) or got.dtype != np.int64 or got.shape != (1,):
-            raise wire.ProtocolError("server 0 sent a malformed checkpoint choice")
-        return int(got[0])
+                comm.send(_json_message({"error": str(e)}), s, tag=t + 1)
+            raise
+        if note:
+            print(f"minicomm.ps: {note}", file=sys.stderr)
+        for s in range(1, self.num_servers):
+            comm.send(_json_message({"run": run, "updates": choices[s]}), s, tag=t + 1)
+        return run, choices[0]
 
     # ------------------------------------------------------------------ the loop
     def _watch(self) -> Dict[int, object]:

@@ -25,7 +25,9 @@ import numpy as np
 DTYPES: Tuple[np.dtype, ...] = (np.dtype("<f2"), np.dtype("<f4"), np.dtype("<f8"))
 MAX_NAME_BYTES = 1024
 MAX_NDIM = 32
-MAX_KEYS = 1 << 16
+# The most keys whose init frame, at MAX_NAME_BYTES names and MAX_NDIM dimensions, fits
+# wire.MAX_FRAME (wire.py's docstring works it out; tests/test_ps_defects.py checks it).
+MAX_KEYS = 12288
 
 
 @dataclass(frozen=True)

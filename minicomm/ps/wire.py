@@ -23,6 +23,13 @@ inside the table, utf-8 names, no duplicates, the table consumed exactly) and ra
 ``ProtocolError`` naming what is wrong. What a frame *means* (does this server hold that piece,
 is the count right, is the clock in order) is checked by the server against its plan.
 
+Limits: a frame is at most ``MAX_FRAME`` bytes (the 28-byte header and a 16 MiB table), so the
+key limits are chosen to fit it: ``MAX_KEYS`` keys of ``MAX_NAME_BYTES``-byte names and
+``MAX_NDIM`` dimensions make an init frame of 28 + 12288 x (4 + 32 x 8 + 1024) = 15,777,820
+bytes, and a request for one piece of each of them 28 + 12288 x (16 + 1024) bytes.
+``check_fits`` refuses, before anything is sent, a key table or plan beyond that: more keys, or
+one server holding more pieces (an array above ``chunk_bytes`` is several) than one frame names.
+
 Cost: 28 + 16 + len(name) bytes per piece per request; decoding is O(entries).
 """
 from __future__ import annotations
@@ -34,7 +41,7 @@ from typing import List, Sequence, Tuple
 import numpy as np
 
 from ..errors import CommError
-from .sharding import DTYPES, MAX_KEYS, MAX_NAME_BYTES, MAX_NDIM, KeySpec
+from .sharding import DTYPES, MAX_KEYS, MAX_NAME_BYTES, MAX_NDIM, KeySpec, Plan
 
 MAGIC = b"MCPS"
 VERSION = 1
@@ -133,6 +140,31 @@ def encode(opcode: int, seq: int, clock: int = 0, flags: int = 0,
     head = HEADER.pack(MAGIC, VERSION, opcode, flags, seq & 0xFFFFFFFF, clock,
                        len(pieces) + len(keys), len(table))
     return np.frombuffer(head + table, dtype=np.uint8)
+
+
+def check_fits(table: Sequence[KeySpec], plan: Plan) -> None:
+    """ValueError, naming the limit, if the init frame of ``table`` or a request for every piece
+    one server of ``plan`` holds would not fit one frame (checked before anything is sent)."""
+    if len(table) > MAX_KEYS:
+        raise ValueError(f"{len(table)} keys: at most {MAX_KEYS} keys (the init frame must fit "
+                         f"the {MAX_FRAME}-byte frame limit)")
+    names = {s.name: len(_name_bytes(s.name)) for s in table}
+    init = HEADER.size + sum(KEY.size + DIM.size * len(s.shape) + names[s.name] for s in table)
+    if init > MAX_FRAME:
+        raise ValueError(f"the init frame of these keys is {init} bytes, above the "
+                         f"{MAX_FRAME}-byte frame limit")
+    size = [HEADER.size] * plan.num_servers
+    count = [0] * plan.num_servers
+    for pieces in plan.pieces.values():
+        for p in pieces:
+            size[p.server] += PIECE.size + names[p.name]
+            count[p.server] += 1
+    for s in range(plan.num_servers):
+        if size[s] > MAX_FRAME or count[s] > MAX_ENTRIES:
+            raise ValueError(f"server {s} holds {count[s]} pieces: a request naming them all is "
+                             f"a {size[s]}-byte frame of {count[s]} entries, above the frame "
+                             f"limit ({MAX_FRAME} bytes, {MAX_ENTRIES} entries); use fewer or "
+                             f"shorter-named keys, a larger chunk_bytes or more servers")
 
 
 def decode(frame, expect_response: bool = False) -> Frame:

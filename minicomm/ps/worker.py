@@ -12,7 +12,9 @@ asynchronous job resumed from checkpoints taken at different times); ``clock`` i
 
 Restrictions: one thread per Worker (its communicator is MPI_THREAD_SERIALIZED). After
 ``push(g, wait=False)`` the arrays in ``g`` must stay unchanged until ``wait(ts)`` returns. Keys
-and their shapes and dtypes are fixed by ``init``; gradients are cast to the key's dtype.
+and their shapes and dtypes are fixed by ``init``; gradients are cast to the key's dtype. At most
+12288 keys (names of 1..1024 utf-8 bytes, up to 32 dimensions), and no server may hold more
+pieces than one frame names (``wire.check_fits``, checked by ``init`` before anything is sent).
 
 Cost per step (model of M bytes, W workers, k servers): push + pull move 2M per worker; each
 server link carries 2M·W/k; one frame of 28 + ~(16 + name) bytes per piece per server each way.
@@ -207,7 +209,9 @@ class Worker:
         Raises:
             RuntimeError: Called twice.
             TypeError: A name that is not a str, or an array that is not floating-point.
-            ValueError: No keys, a bad name, or too many dimensions.
+            ValueError: No keys, a bad name, too many dimensions, more than
+                ``wire.MAX_KEYS`` (12288) keys, or a server holding more pieces than one frame
+                can name (all before anything is sent).
             MismatchError: Workers gave different keys, shapes or dtypes.
 
         Examples:
@@ -218,6 +222,7 @@ class Worker:
             raise RuntimeError("ps.Worker.init: already initialized")
         table = key_table(arrays)
         plan = Plan(table, self.num_servers, self.chunk_bytes)
+        wire.check_fits(table, plan)          # a request too big for one frame: refused here
         lowest = self.rank == min(self.workers)
         flat = {s.name: np.ascontiguousarray(np.asarray(arrays[s.name]), dtype=s.dtype).reshape(-1)
                 for s in table} if lowest else {}
