@@ -31,6 +31,25 @@ class PeerFailure(CommError):
     clean = False     # the peer closed in order (finished), rather than crashing
 
 
+class Revoked(CommError):
+    """A member revoked the communicator (``comm.revoke()``): its pending and later calls fail.
+
+    Raised on every member that learns of the revoke (from the revoker's notice, or from its own
+    ``revoke``). Recover with ``comm.shrink()`` (every survivor calls it).
+
+    Attributes:
+        notice (bool): Raised from a peer's notice (that peer is alive: see
+            ``comm.failed_ranks()`` for the ranks known dead), rather than by this rank itself.
+        peer (None): Never a failed peer (as ``PeerFailure.peer`` of a notice: None).
+
+    Examples:
+        >>> issubclass(mc.errors.Revoked, mc.CommError)
+        True
+    """
+    notice = False
+    peer = None
+
+
 class MismatchError(CommError):
     """Ranks disagree on a call: collective, op, shape, dtype, root or algorithm.
 

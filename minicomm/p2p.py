@@ -24,12 +24,15 @@ such receive reports it (``PeerFailure.peer``) and later ones skip that peer and
 living ones. A receive that times out is cancelled alone: a payload already arriving into its
 buffer is moved to a private one first. None of these break the communicator.
 
-Cost: one header message (256 B) per send, so α twice; the payload moves once.
+Cost: one header message (256 B) per send, so α twice; the payload moves once. Matching costs
+what it matches: posted receives and unexpected messages are filed by (source, tag) pattern, so
+a message looks at four queue heads and a receive at one, never at the whole list
+(docs/decisions/posted-receive-index.md).
 """
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -121,7 +124,8 @@ def decode_header(h: np.ndarray, peer: int) -> Tuple[int, np.dtype, Tuple[int, .
 
 class _Msg:
     """A message whose header arrived (or a send to self) and that no receive has taken yet."""
-    __slots__ = ("src", "tag", "dtype", "shape", "nbytes", "data", "req", "recv", "buffered")
+    __slots__ = ("src", "tag", "dtype", "shape", "nbytes", "data", "req", "recv", "buffered",
+                 "seq")
 
     def __init__(self, src, tag, dtype, shape, nbytes):
         self.src, self.tag, self.dtype, self.shape, self.nbytes = src, tag, dtype, shape, nbytes
@@ -129,19 +133,21 @@ class _Msg:
         self.req = None                           # the payload's transport receive, in flight
         self.recv: Optional["_Recv"] = None       # the receive that took it
         self.buffered = False                     # its bytes count against the bound
+        self.seq = 0                              # arrival order (set by the engine)
 
     def arrived(self) -> bool:
         return self.data is not None and (self.req is None or self.req.done)
 
 
 class _Recv:
-    __slots__ = ("src", "tag", "out", "work", "msg", "error", "result")
+    __slots__ = ("src", "tag", "out", "work", "msg", "error", "result", "seq")
 
     def __init__(self, src, tag, out, work):
         self.src, self.tag, self.out, self.work = src, tag, out, work
         self.msg: Optional[_Msg] = None
         self.error: Optional[BaseException] = None
         self.result = None
+        self.seq = 0                              # posting order (set by the index)
 
     def matches(self, m: _Msg) -> bool:
         return (self.src in (ANY_SOURCE, m.src)) and (self.tag in (ANY_TAG, m.tag))
@@ -153,6 +159,130 @@ class _Recv:
         src = "any source" if self.src == ANY_SOURCE else f"rank {self.src}"
         tag = "any tag" if self.tag == ANY_TAG else f"tag {self.tag}"
         return f"recv from {src} ({tag})"
+
+
+def _file(queues: dict, key, item) -> None:
+    q = queues.get(key)
+    if q is None:
+        q = queues[key] = OrderedDict()
+    q[item] = None
+
+
+def _unfile(queues: dict, key, item) -> None:
+    q = queues[key]
+    del q[item]
+    if not q:
+        del queues[key]           # no empty queues pile up (one per tag ever used)
+
+
+class _PostedIndex:
+    """Posted receives in posting order, filed under their (source, tag) pattern.
+
+    The earliest receive that a message (s, t) matches heads one of four queues: (s, t),
+    (s, ANY_TAG), (ANY_SOURCE, t), (ANY_SOURCE, ANY_TAG). Matching a message looks at those four
+    heads, not at every posted receive. ``by_src`` files the same receives by source alone (the
+    peers to read headers from; what a dead peer fails). ``examined`` counts the entries looked
+    at (tests count work, not time)."""
+    __slots__ = ("_queues", "by_src", "_next", "examined")
+
+    def __init__(self):
+        self._queues: Dict[Tuple[int, int], OrderedDict] = {}
+        self.by_src: Dict[int, OrderedDict] = {}
+        self._next = 0
+        self.examined = 0
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.by_src.values())
+
+    def __contains__(self, r: _Recv) -> bool:
+        q = self.by_src.get(r.src)
+        return q is not None and r in q
+
+    def add(self, r: _Recv) -> None:
+        r.seq = self._next
+        self._next += 1
+        _file(self._queues, (r.src, r.tag), r)
+        _file(self.by_src, r.src, r)
+
+    def remove(self, r: _Recv) -> None:
+        _unfile(self._queues, (r.src, r.tag), r)
+        _unfile(self.by_src, r.src, r)
+
+    def first(self, src: int, tag: int) -> Optional[_Recv]:
+        """The earliest posted receive that a message from ``src`` with ``tag`` matches."""
+        best = None
+        queues = self._queues
+        for key in ((src, tag), (src, ANY_TAG), (ANY_SOURCE, tag), (ANY_SOURCE, ANY_TAG)):
+            q = queues.get(key)
+            if q:
+                self.examined += 1
+                r = next(iter(q))
+                if best is None or r.seq < best.seq:
+                    best = r
+        return best
+
+
+class _UnexpectedIndex:
+    """Messages no receive has taken yet, in arrival order, each filed under the four patterns a
+    receive may have that match it: (s, t), (s, ANY_TAG), (ANY_SOURCE, t), (ANY_SOURCE,
+    ANY_TAG). A receive reads the head of its own pattern's queue: one entry, not the list.
+    Iterating gives every message in arrival order."""
+    __slots__ = ("_queues", "examined")
+
+    def __init__(self):
+        self._queues: Dict[Tuple[int, int], OrderedDict] = {}
+        self.examined = 0
+
+    def _all(self):
+        return self._queues.get((ANY_SOURCE, ANY_TAG), ())
+
+    def __iter__(self):
+        return iter(list(self._all()))
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __contains__(self, m: _Msg) -> bool:
+        return m in self._all()
+
+    def add(self, m: _Msg) -> None:
+        """File ``m`` at its arrival place (``m.seq``): the end, unless it is put back."""
+        queues = self._queues
+        for key in ((m.src, m.tag), (m.src, ANY_TAG), (ANY_SOURCE, m.tag), (ANY_SOURCE, ANY_TAG)):
+            q = queues.get(key)
+            if q is None:
+                q = queues[key] = OrderedDict()
+            q[m] = None
+            if len(q) > 1 and m.seq < _before_last(q).seq:
+                _reorder(q, m)            # put back by a cancelled receive: rare
+
+    def remove(self, m: _Msg) -> None:
+        for key in ((m.src, m.tag), (m.src, ANY_TAG), (ANY_SOURCE, m.tag), (ANY_SOURCE, ANY_TAG)):
+            _unfile(self._queues, key, m)
+
+    def first(self, src: int, tag: int) -> Optional[_Msg]:
+        """The earliest message a receive from ``src`` with ``tag`` (either may be ANY) matches."""
+        q = self._queues.get((src, tag))
+        if not q:
+            return None
+        self.examined += 1
+        return next(iter(q))
+
+
+def _before_last(q: OrderedDict):
+    it = reversed(q)
+    next(it)
+    return next(it)
+
+
+def _reorder(q: OrderedDict, m: _Msg) -> None:
+    """Move ``m`` (just appended) to its arrival place in ``q``."""
+    if next(iter(q)).seq > m.seq:
+        q.move_to_end(m, last=False)
+        return
+    items = sorted(q, key=lambda x: x.seq)
+    q.clear()
+    q.update((x, None) for x in items)
 
 
 class P2PEngine:
@@ -167,11 +297,17 @@ class P2PEngine:
         self._received: Dict[int, int] = {}
         self._hdr: Dict[int, Tuple[object, np.ndarray]] = {}   # peer -> posted header receive
         self._stalled: Dict[int, _Msg] = {}                     # peer -> payload left unread
-        self._inflight: List[_Msg] = []                         # payloads arriving
-        self._unexpected: deque = deque()                        # _Msg, in arrival order
-        self._posted: List[_Recv] = []
+        self._inflight: Dict[_Msg, None] = {}                   # payloads arriving, in order
+        self._unexpected = _UnexpectedIndex()
+        self._posted = _PostedIndex()
+        self._arrivals = 0
         self.dead: Dict[int, PeerFailure] = {}
         self._reported: set = set()
+
+    @property
+    def examined(self) -> int:
+        """Matching entries looked at so far (posted receives and unexpected messages)."""
+        return self._posted.examined + self._unexpected.examined
 
     # ------------------------------------------------------------------------ sending
     def _tag(self, seq: int, tag: int, payload: bool):
@@ -206,46 +342,70 @@ class P2PEngine:
         if src != ANY_SOURCE and src in self.dead:
             r.error = _again(self.dead[src])
             return r
-        for m in self._unexpected:
-            if m.recv is None and r.matches(m):
-                self._take(r, m)
-                return r
-        self._posted.append(r)
+        m = self._unexpected.first(src, tag)
+        if m is None:
+            self._posted.add(r)
+            return r
+        err = _check_out(out, m)
+        if err is not None:
+            r.error = err                 # the message stays for the next receive
+            return r
+        self._unexpected.remove(m)
+        self._take(r, m)
         return r
 
     def cancel(self, r: _Recv) -> None:
         """Withdraw a receive (it timed out): it must never write into its buffer later."""
         if r in self._posted:
             self._posted.remove(r)
+            return
         m = r.msg
-        if m is not None and not r.done():
-            m.recv = None
+        if m is None or r.done():
+            return
+        m.recv, r.msg = None, None
+        if not m.buffered and m.data is not None:     # it lands (or landed) in r's buffer
             if m.req is not None and not m.req.done:
                 m.data = self.transport.detach(m.req).view(np.uint8)   # finish privately
-                m.buffered = True
-                self.buffered_bytes += m.nbytes
-            elif m.data is None:
-                pass                                     # stalled: still in the transport
-            if m not in self._unexpected:
-                self._unexpected.appendleft(m)
-            r.msg = None
+            else:
+                m.data = m.data.copy()
+            m.buffered = True
+            self.buffered_bytes += m.nbytes
+        self._put_back(m)
+
+    def _put_back(self, m: _Msg) -> None:
+        """A message a cancelled receive had taken: the earliest posted receive that matches it
+        takes it, or it is unexpected again, at its arrival place (non-overtaking)."""
+        r = self._claim(m)
+        if r is None:
+            self._unexpected.add(m)
+        else:
+            self._take(r, m)
+
+    def _claim(self, m: _Msg) -> Optional[_Recv]:
+        """Unpost and return the earliest posted receive that can take ``m``; one whose out=
+        does not fit fails and the message looks further."""
+        posted = self._posted
+        while True:
+            r = posted.first(m.src, m.tag)
+            if r is None:
+                return None
+            posted.remove(r)
+            err = _check_out(r.out, m)
+            if err is None:
+                return r
+            r.error = err
 
     def _take(self, r: _Recv, m: _Msg) -> None:
-        """Receive ``r`` takes message ``m`` (the earliest one it matches)."""
-        err = _check_out(r.out, m)
-        if err is not None:
-            r.error = err                 # the message stays for the next receive
-            return
+        """Receive ``r`` (checked against ``m``, in no index) takes message ``m``."""
         m.recv, r.msg = r, m
-        if m in self._unexpected:
-            self._unexpected.remove(m)
         if m.data is not None and m.req is None:          # arrived, in our buffer
             self._deliver(r, m)
-        elif m.data is None and m.req is None:            # stalled: read it into r's buffer
-            self._stalled.pop(m.src, None)
+        elif m.data is None and m.req is None:            # not read yet: read it into r's buffer
+            if self._stalled.get(m.src) is m:
+                del self._stalled[m.src]
             self._start_payload(m, self._target(r, m))
             if m.req.done:
-                self._inflight.remove(m)
+                del self._inflight[m]
                 m.req = None
                 self._deliver(r, m)
         # else: arriving into our buffer: delivered when it completes
@@ -260,7 +420,7 @@ class P2PEngine:
         seq = self._received[m.src]
         m.data = buf
         m.req = self.transport.irecv(peer, buf, self._tag(seq, m.tag, True))
-        self._inflight.append(m)
+        self._inflight[m] = None
 
     def _deliver(self, r: _Recv, m: _Msg) -> None:
         """``m``'s payload is complete: hand it to ``r``."""
@@ -279,31 +439,16 @@ class P2PEngine:
             st = r.work.status
             st.source, st.tag, st.nbytes, st.dtype, st.shape = m.src, m.tag, m.nbytes, m.dtype, \
                 m.shape
-        if r in self._posted:
-            self._posted.remove(r)
 
     def _arrive(self, m: _Msg) -> None:
         """A message's header is here: the earliest posted receive that matches takes it."""
-        for r in list(self._posted):
-            if r.msg is not None or not r.matches(m):
-                continue
-            err = _check_out(r.out, m)
-            if err is not None:
-                r.error = err             # that receive fails; the message looks further
-                self._posted.remove(r)
-                continue
-            self._posted.remove(r)
-            m.recv, r.msg = r, m
-            if m.data is not None:        # a send to self
-                self._deliver(r, m)
-            else:
-                self._start_payload(m, self._target(r, m))
-                if m.req.done:
-                    self._inflight.remove(m)
-                    m.req = None
-                    self._deliver(r, m)
+        m.seq = self._arrivals
+        self._arrivals += 1
+        r = self._claim(m)
+        if r is not None:
+            self._take(r, m)
             return
-        self._unexpected.append(m)
+        self._unexpected.add(m)
         if m.data is not None:
             return                                  # a send to self: already buffered
         if self.buffered_bytes + m.nbytes <= self.limit:
@@ -313,15 +458,27 @@ class P2PEngine:
         else:
             self._stalled[m.src] = m                # flow control: the sender waits for us
 
+    def _on_header(self, p: int, buf: np.ndarray) -> None:
+        """Peer ``p``'s next header (``buf``) arrived."""
+        self._received[p] = self._received.get(p, 0) + 1
+        tag, dtype, shape, nbytes = decode_header(buf.view(np.int64), p)
+        self._arrive(_Msg(p, tag, dtype, shape, nbytes))
+
+    def _settle(self) -> None:
+        """Hand the payloads that completed to the receives that took them."""
+        done = [m for m in self._inflight if m.req.done]
+        for m in done:
+            del self._inflight[m]
+            m.req = None
+            if m.recv is not None:
+                self._deliver(m.recv, m)
+
     def _wanted_peers(self) -> List[int]:
-        peers = set()
-        for r in self._posted:
-            if r.msg is None and not r.done():
-                if r.src == ANY_SOURCE:
-                    return [p for p in range(self.size) if p != self.rank]
-                peers.add(r.src)
-        peers.discard(self.rank)
-        return sorted(peers)
+        """The peers some posted receive could match (read from the index, not by a scan)."""
+        srcs = self._posted.by_src
+        if ANY_SOURCE in srcs:
+            return [p for p in range(self.size) if p != self.rank]
+        return sorted(p for p in srcs if p != self.rank)
 
     def progress(self, until, deadline: float, what: str) -> None:
         """Move messages until ``until()`` holds; raises CommTimeout at ``deadline``."""
@@ -352,14 +509,8 @@ class P2PEngine:
                 req, buf = self._hdr[p]
                 if req.done:
                     del self._hdr[p]
-                    self._received[p] = self._received.get(p, 0) + 1
-                    tag, dtype, shape, nbytes = decode_header(buf.view(np.int64), p)
-                    self._arrive(_Msg(p, tag, dtype, shape, nbytes))
-            for m in [m for m in self._inflight if m.req.done]:
-                self._inflight.remove(m)
-                m.req = None
-                if m.recv is not None:
-                    self._deliver(m.recv, m)
+                    self._on_header(p, buf)
+            self._settle()
 
     def _peer_failed(self, e: PeerFailure) -> None:
         world = getattr(e, "peer", None)
@@ -373,34 +524,45 @@ class P2PEngine:
             self._reported.add(p)     # a peer that finished is no failure for ANY_SOURCE
         self._hdr.pop(p, None)
         for m in [m for m in self._inflight if m.src == p]:
-            self._inflight.remove(m)
+            del self._inflight[m]
             if m.recv is not None:
                 m.recv.error = _again(err)
         self._stalled.pop(p, None)
 
     def _fail_hopeless(self) -> None:
-        """Receives that can never match: their source died, or (ANY_SOURCE) every peer did."""
+        """Receives that can never match: their source died, or (ANY_SOURCE) every peer did.
+        Only the receives that fail are looked at (the index files them by source)."""
         if not self.dead:
             return
-        alive = [p for p in range(self.size) if p not in self.dead]
-        for r in list(self._posted):
-            if r.msg is not None or r.done():
-                continue
-            if r.src != ANY_SOURCE and r.src in self.dead:
-                r.error = _again(self.dead[r.src])
-            elif r.src == ANY_SOURCE:
-                fresh = [p for p in self.dead if p not in self._reported]
-                if fresh:
-                    self._reported.add(fresh[0])
-                    r.error = _again(self.dead[fresh[0]])
-                elif alive == [self.rank] and not any(
-                        m.recv is None and r.matches(m) for m in self._unexpected):
-                    err = PeerFailure(f"{r.describe()}: every other rank of the communicator "
-                                      f"failed ({sorted(self.dead)})")
-                    err.peer = sorted(self.dead)[0]
-                    r.error = err
-            if r.error is not None:
-                self._posted.remove(r)
+        posted = self._posted
+        for p, err in self.dead.items():
+            q = posted.by_src.get(p)
+            while q:
+                r = next(iter(q))
+                posted.examined += 1
+                posted.remove(r)
+                r.error = _again(err)
+        anyq = posted.by_src.get(ANY_SOURCE)
+        if not anyq:
+            return
+        for p in [p for p in self.dead if p not in self._reported]:
+            if not anyq:
+                return
+            r = next(iter(anyq))          # the earliest ANY_SOURCE receive reports it
+            posted.examined += 1
+            posted.remove(r)
+            self._reported.add(p)
+            r.error = _again(self.dead[p])
+        if anyq and all(p in self.dead for p in range(self.size) if p != self.rank):
+            for r in list(anyq):
+                posted.examined += 1
+                if self._unexpected.first(r.src, r.tag) is not None:
+                    continue                  # a message it matches is here (put back)
+                err = PeerFailure(f"{r.describe()}: every other rank of the communicator "
+                                  f"failed ({sorted(self.dead)})")
+                err.peer = sorted(self.dead)[0]
+                posted.remove(r)
+                r.error = err
 
     def _timeout_text(self, what: str, left: float, base: str = "") -> str:
         text = f"{what}: rank {self.rank} timed out" + (f" ({base})" if base else "")

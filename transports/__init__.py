@@ -189,6 +189,16 @@ class RoutedTransport(Transport):
         for t in self._transports.values():
             t.abort(reason)
 
+    def dead_peers(self) -> Dict[int, str]:
+        """Every route's ended links (each peer has one route)."""
+        dead: Dict[int, str] = {}
+        for t in self._transports.values():
+            dead.update(t.dead_peers())
+        return dead
+
+    def exclude_peer(self, peer: int, reason: str) -> None:
+        self._route(peer).exclude_peer(peer, reason)
+
     def close(self) -> None:
         for t in self._transports.values():
             t.close()

@@ -23,6 +23,10 @@ when ``deadline`` (a ``time.monotonic()`` value) passes, and ``PeerFailure`` as 
 waits on is known dead or closed. It must block (no busy-spin beyond a short spin), so that more
 ranks than cores still progress.
 
+Liveness (fault tolerance): ``dead_peers()`` is the links known ended, with their reasons, from
+link state only; ``exclude_peer(peer, reason)`` ends one link on purpose. A peer's failure or
+exclusion never closes another link, and no communicator's break tears a link down.
+
 Cancellation: ``cancel_context(ctx, error)`` drops every request of that ``tag.comm`` that has not
 started to move, makes every wait on one of its requests raise ``error`` at once (a blocked waiter
 is woken), and from then on drains and drops whatever peers still send on it, so a broken or
@@ -59,7 +63,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, NamedTuple, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -67,7 +71,17 @@ ReduceFn = Callable[[np.ndarray, np.ndarray], None]
 
 
 ABORT_CALL = -7                 # Tag.call of an abort notice; Tag.step is one of ABORT_KINDS
-ABORT_KINDS = ("MismatchError", "CommTimeout", "PeerFailure", "CommError")
+ABORT_KINDS = ("MismatchError", "CommTimeout", "PeerFailure", "CommError", "Revoked")
+CLEAN_CLOSE = "it closed its transport"   # a link's reason starts so when its peer finished
+# the start of the reason of a link ended by ``exclude_peer`` (an agreement fenced that rank): a
+# live rank that reads it on a link knows the others decided it failed
+EXCLUDED = "it excluded this rank"
+FENCED = "this rank excluded it"  # ... and the excluding side's own reason for that link
+
+
+def fenced_reason(reason: str) -> str:
+    """The excluding side's record of a link it ended with ``reason``: never reads EXCLUDED."""
+    return FENCED + (reason[len(EXCLUDED):] if reason.startswith(EXCLUDED) else f": {reason}")
 
 
 class Tag(NamedTuple):
@@ -115,6 +129,8 @@ class TwoSided(Protocol):
     def abort(self, reason: str) -> None: ...
 
     def close(self) -> None: ...
+
+    # ``dead_peers`` and ``exclude_peer`` (fault tolerance) are ``Transport``'s, with defaults
 
 
 @runtime_checkable
@@ -342,6 +358,17 @@ class Transport:
     def abort(self, reason: str) -> None:
         """Best effort: tell peers this rank is failing so they raise PeerFailure now."""
 
+    def dead_peers(self) -> Dict[int, str]:
+        """The peers whose link this rank knows ended (died, aborted, finished, or excluded
+        either way), each with the link's reason; from link state alone, never from a notice
+        (a peer that broke a communicator is alive). As far as noticed so far: no blocking."""
+        return {}
+
+    def exclude_peer(self, peer: int, reason: str) -> None:
+        """End the link to ``peer`` alone (an agreement fenced it): tell it ``reason`` (start it
+        with ``EXCLUDED``: the peer reads it as its link's reason), fail this rank's waits on it,
+        drop what is queued for it. Idempotent (the first reason stays); other links go on."""
+
     def close(self) -> None:
         pass
 
@@ -366,11 +393,13 @@ def check_tag(peer: int, expected: Tag, got: Tag, exp_nbytes: int, got_nbytes: i
     from minicomm.errors import MismatchError, describe_call
     if got.call == ABORT_CALL:
         kind = ABORT_KINDS[got.step] if 0 <= got.step < len(ABORT_KINDS) else "CommError"
-        cls = MismatchError if kind == "MismatchError" else errors.PeerFailure
+        cls = {"MismatchError": MismatchError, "Revoked": errors.Revoked}.get(
+            kind, errors.PeerFailure)
         err = cls(f"rank {peer} broke this communicator at its call #{got.count} with a {kind} "
                   f"(its own error names the cause); this rank was in call #{expected.seq} "
                   f"({describe_call(expected)})")
-        err.peer = peer
+        # the notifier is alive: it names no failed peer (the failed set is link state)
+        err.peer, err.notice = None, True
         raise err
     if got.comm != expected.comm or got.seq != expected.seq:
         raise MismatchError(
@@ -392,13 +421,20 @@ def check_foreign(peer: int, expected: Tag, got: Tag) -> None:
     (same sequence number) with another signature (the peer made a different call). Anything
     else (a peer already in a later call, point-to-point traffic) is left alone. This is what
     makes detection independent of the algorithm: the ranks that disagree need not be the ones
-    that exchange the first message, and a rank blocked on a third rank still learns of it."""
-    if got.comm != expected.comm or not (expected.call & 31):     # p2p: any tag may be queued
+    that exchange the first message, and a rank blocked on a third rank still learns of it.
+
+    Point-to-point waits (any tag may be queued) raise only for an abort notice of their context:
+    the peer broke the communicator, so no receive of it can be trusted to end. A ``Revoked``
+    notice raises whatever call the revoker was in."""
+    if got.comm != expected.comm:
         return
     if got.call == ABORT_CALL:
         # a notice carries the call the peer broke in (``count``): one that broke in a later
         # call has done its part of this one, which may still complete
-        if got.count <= expected.seq:
+        if (not (expected.call & 31) or got.count <= expected.seq
+                or got.step == ABORT_KINDS.index("Revoked")):
             check_tag(peer, expected, got, 0, 0)
+    elif not (expected.call & 31):
+        return
     elif got.seq == expected.seq and (got.call != expected.call or got.count != expected.count):
         check_tag(peer, expected, got, 0, 0)

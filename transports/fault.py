@@ -197,7 +197,9 @@ class FaultTransport(Transport):
         self.rank, self.size = rank, inner.size
         self.name = inner.name
         # the rest of the contract is the inner transport's own bound methods: no extra call
-        for m in ("irecv", "wait_all", "wait_any", "cancel_context", "detach", "abort", "close"):
+        # (dead_peers, exclude_peer: Transport's defaults would shadow __getattr__)
+        for m in ("irecv", "wait_all", "wait_any", "cancel_context", "detach", "abort", "close",
+                  "dead_peers", "exclude_peer"):
             setattr(self, m, getattr(inner, m))
         self._rng = random.Random(f"minicomm-fault:{spec.seed}:{rank}")
         self._sent = 0

@@ -6,21 +6,33 @@ copied at isend, so the sender may reuse its buffer at once); receives copy or r
 queued payload. Because sends never block, a schedule's rendezvous safety is checked by the
 verifier, not by this transport.
 
-Failure: a rank that fails calls ``Fabric.abort``; every rank blocked in ``wait_all`` then raises
-at once — the same exception class for a mismatch (every rank learns the call was mismatched),
-``PeerFailure`` for anything else — instead of waiting for its timeout.
+Failure: a rank that fails calls ``Fabric.abort``: that rank is dead, and every wait on a
+request to or from it raises at once (``MismatchError`` when it failed on a mismatch,
+``PeerFailure`` otherwise) instead of waiting for its timeout. Waits on other ranks go on: the
+communicators' abort notices tell the ranks that do not wait on it, as on the other transports,
+so the survivors' communicators keep working. ``Fabric.shutdown`` ends every wait (the job is
+over).
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections import defaultdict, deque
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 
 from minicomm.errors import CommTimeout, MismatchError, PeerFailure
-from .base import Capabilities, ReduceFn, Request, Tag, Transport, check_foreign, check_tag
+from .base import (
+    Capabilities,
+    ReduceFn,
+    Request,
+    Tag,
+    Transport,
+    check_foreign,
+    check_tag,
+    fenced_reason,
+)
 
 
 class Fabric:
@@ -28,16 +40,42 @@ class Fabric:
         self.size = size
         self.cond = threading.Condition()
         self.queues = defaultdict(deque)       # (src, dst, comm) -> deque[(tag, payload)]
-        self.failure: Optional[BaseException] = None
+        self.failure: Optional[BaseException] = None      # set by shutdown: every wait ends
+        self.dead: Dict[int, BaseException] = {}           # rank -> what waits on it raise
         self.closed = set()
         self.cancelled = set()                 # (rank, comm): that rank dropped that context
+        self.excluded: Dict[tuple, str] = {}   # (excluder, excluded) -> the excluder's reason
 
     def abort(self, rank: int, exc: BaseException) -> None:
+        """``rank`` failed with ``exc``: the waits on it raise (the others go on)."""
+        with self.cond:
+            if rank not in self.dead:
+                cls = MismatchError if isinstance(exc, MismatchError) else PeerFailure
+                err = cls(f"rank {rank} failed: {type(exc).__name__}: {exc}")
+                err.peer = rank
+                self.dead[rank] = err
+            self.cond.notify_all()
+
+    def shutdown(self, exc: BaseException) -> None:
+        """The job is over: every wait of every rank raises ``exc``'s class and message."""
         with self.cond:
             if self.failure is None:
-                cls = MismatchError if isinstance(exc, MismatchError) else PeerFailure
-                self.failure = cls(f"rank {rank} failed: {type(exc).__name__}: {exc}")
+                self.failure = exc
             self.cond.notify_all()
+
+    def link_reason(self, rank: int, peer: int) -> Optional[str]:
+        """Under the lock: why ``rank``'s link to ``peer`` ended, or None."""
+        if peer in self.dead:
+            return f"it failed ({self.dead[peer]})"
+        why = self.excluded.get((rank, peer))
+        if why is not None:
+            return fenced_reason(why)
+        why = self.excluded.get((peer, rank))
+        if why is not None:
+            return f"it aborted: {why}"
+        if peer in self.closed:
+            return "it closed its transport (it finished)"
+        return None
 
 
 class InprocTransport(Transport):
@@ -53,7 +91,8 @@ class InprocTransport(Transport):
         payload = buf.copy()
         with fab.cond:
             if peer in fab.closed or (peer, tag.comm) in fab.cancelled \
-                    or tag.comm in self._cancelled:
+                    or tag.comm in self._cancelled or peer in fab.dead \
+                    or (self.rank, peer) in fab.excluded or (peer, self.rank) in fab.excluded:
                 req = Request(peer, buf, tag, None, True)
                 req.done = True           # nobody will receive it: dropped, as on a wire
                 return req
@@ -96,8 +135,7 @@ class InprocTransport(Transport):
                 for req in requests:
                     if not req.done:
                         self._check(req, what)
-                if not pending.is_send:
-                    self._foreign(pending.tag)
+                self._foreign(pending.tag)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise CommTimeout(f"{what}: rank {self.rank} timed out at step "
@@ -139,6 +177,18 @@ class InprocTransport(Transport):
         err = self._cancelled.get(req.tag.comm)
         if err is not None:
             raise type(err)(str(err))
+        fab = self.fabric
+        for rank in (req.peer, self.rank):        # a dead peer, or this rank's own abort
+            dead = fab.dead.get(rank)
+            if dead is not None:
+                e = type(dead)(str(dead))
+                e.peer = rank if rank != self.rank else None
+                raise e
+        if (self.rank, req.peer) in fab.excluded or (req.peer, self.rank) in fab.excluded:
+            e = PeerFailure(f"{what}: rank {self.rank} waiting for rank {req.peer} (step "
+                            f"{req.tag.step}): {fab.link_reason(self.rank, req.peer)}")
+            e.peer = req.peer
+            raise e
         if req.peer in self.fabric.closed:
             e = PeerFailure(f"{what}: rank {req.peer} closed its communicator while "
                             f"rank {self.rank} waits for it (step {req.tag.step})")
@@ -166,6 +216,28 @@ class InprocTransport(Transport):
 
     def abort(self, reason: str) -> None:
         self.fabric.abort(self.rank, PeerFailure(reason))
+
+    def dead_peers(self) -> Dict[int, str]:
+        """The peers that failed, finished, or were excluded either way (base.Transport)."""
+        fab = self.fabric
+        with fab.cond:
+            dead = {}
+            for p in range(self.size):
+                why = fab.link_reason(self.rank, p) if p != self.rank else None
+                if why is not None:
+                    dead[p] = why
+            return dead
+
+    def exclude_peer(self, peer: int, reason: str) -> None:
+        """End this rank's link to ``peer`` alone: both sides' waits on it raise with
+        ``reason`` (base.Transport.exclude_peer)."""
+        fab = self.fabric
+        with fab.cond:
+            if fab.link_reason(self.rank, peer) is None:
+                fab.excluded[(self.rank, peer)] = reason
+                for key in [k for k in fab.queues if k[0] == peer and k[1] == self.rank]:
+                    del fab.queues[key]            # nothing it sent is read any more
+            fab.cond.notify_all()
 
     def capabilities(self) -> Capabilities:
         """The two-sided core only: ranks are threads of one process, every message a copy."""

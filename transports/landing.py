@@ -215,6 +215,18 @@ class LandingEngine(LinkEngine):
             link.closed = reason
 
     # ------------------------------------------------------------------------ data path
+    def dead_peers(self) -> Dict[int, str]:
+        """Links closed here, and peers the device saw end (doorbell, NIC agent)."""
+        with self._lock:
+            dead = {p: r for p, r in self.device.closed_peers.items() if p != self.rank}
+            for link in self._by_peer.values():
+                if link.closed is not None:
+                    dead.setdefault(link.peer, link.closed)
+            return dead
+
+    def _exclude(self, link: _Link, reason: str) -> None:
+        self.device.exclude(link.peer, reason, link.closed)
+
     def _link_of(self, peer: int) -> _Link:
         try:
             return self._by_peer[peer]

@@ -732,6 +732,24 @@ class Device(RegionRegistry, AgentProtocol):
             elif _BYE in data:
                 self.on_closed(peer, "it closed its transport (it finished)")
 
+    def exclude(self, peer: int, reason: str, local_reason: str) -> None:
+        """End the link to ``peer`` alone, as ``abort`` ends all: ``reason`` to it (the doorbell
+        on this node, the NIC agent's connection across), the link shut; here it reads
+        ``local_reason`` and what waits on it fails."""
+        msg = reason.encode()[:2000]
+        s = self._socks.get(peer)
+        if s is not None:
+            try:
+                s.send(_ABORT + msg, _NOWAIT)
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            if s.fileno() in self._fds:
+                self.progress.unregister(s.fileno())
+        elif self.agent is not None:
+            self.agent.goodbye_to(peer, nicagent.ABORT, msg)
+        self.on_closed(peer, local_reason)
+
     # ------------------------------------------------------------------------- lifetime
     def abort(self, reason: str) -> None:
         if self._aborted is not None or self._closed:

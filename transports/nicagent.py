@@ -320,17 +320,26 @@ class NicAgent:
     def goodbye(self, kind: int, reason: bytes = b"") -> None:
         """Best effort: tell every peer why this link ends (ABORT with a reason, or BYE)."""
         for c in self.conns.values():
-            with c.lock:
-                if c.closed is not None:
-                    continue
-                data = pack(kind, payload=len(reason)) + reason
-                c.outq.append([memoryview(data), data])
-                self._flush(c)
-                if kind == ABORT and not c.outq:
-                    try:
-                        c.sock.shutdown(socket.SHUT_WR)
-                    except OSError:
-                        pass
+            self._goodbye(c, kind, reason)
+
+    def goodbye_to(self, peer: int, kind: int, reason: bytes = b"") -> None:
+        """``goodbye`` to one peer: its link alone ends (an agreement excluded it)."""
+        c = self.conns.get(peer)
+        if c is not None:
+            self._goodbye(c, kind, reason)
+
+    def _goodbye(self, c: Conn, kind: int, reason: bytes) -> None:
+        with c.lock:
+            if c.closed is not None:
+                return
+            data = pack(kind, payload=len(reason)) + reason
+            c.outq.append([memoryview(data), data])
+            self._flush(c)
+            if kind == ABORT and not c.outq:
+                try:
+                    c.sock.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
 
     def close(self) -> None:
         if self._closed:

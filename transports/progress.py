@@ -46,9 +46,18 @@ import numpy as np
 from minicomm import settings
 from minicomm.errors import CommError, CommTimeout, PeerFailure, describe_call
 from minicomm.settings import byte_setting
-from .base import ABORT_CALL, ReduceFn, Request, Tag, Transport, check_foreign, check_tag
+from .base import (
+    ABORT_CALL,
+    CLEAN_CLOSE,
+    ReduceFn,
+    Request,
+    Tag,
+    Transport,
+    check_foreign,
+    check_tag,
+    fenced_reason,
+)
 
-CLEAN_CLOSE = "it closed its transport"
 # Bytes of out-of-the-way messages one link may hold (see Inbox.match_header).
 UNEXPECTED_LIMIT = byte_setting("MINICOMM_UNEXPECTED_BYTES", 256 << 20)   # a peer's orderly goodbye, not a crash
 EDGE = select.EPOLLIN | select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
@@ -106,10 +115,11 @@ class Unexpected:
     (it blocked a message for another communicator). ``claim`` is the receive that matched it
     while it was still arriving. Engines fill it like a plain receive (``u8``, ``off``).
     A ``dropped`` one (for a cancelled or poisoned communicator) is read and thrown away."""
-    __slots__ = ("tag", "nbytes", "u8", "off", "reduce", "claim", "buf")
+    __slots__ = ("tag", "nbytes", "u8", "off", "reduce", "claim", "buf", "dropped")
 
     def __init__(self, tag: Tag, nbytes: int, dropped: bool = False):
         self.tag, self.nbytes = tag, nbytes
+        self.dropped = dropped        # single-copy records of it are consumed without a read
         if dropped:
             # thrown away: one scratch byte seen nbytes times (zero stride), so a huge message
             # for a poisoned or cancelled communicator costs no memory (not contiguous: engines
@@ -131,7 +141,7 @@ class Inbox:
     poisoned, the others go on); ``discard`` the communicators that were cancelled: their
     arriving messages are drained into a scratch buffer and dropped."""
     __slots__ = ("peer", "posted", "unexpected", "n_posted", "errors", "discard", "held",
-                 "held_back")
+                 "held_back", "notices")
 
     def __init__(self, peer: int):
         self.peer = peer
@@ -142,6 +152,9 @@ class Inbox:
         self.discard: set = set()
         self.held = 0                 # bytes of unexpected messages held for this peer
         self.held_back: Optional[str] = None     # why a message was left in the stream
+        # per communicator, the first abort notice held among its unexpected messages: a
+        # point-to-point wait finds it without scanning every held message
+        self.notices: Dict[int, Tag] = {}
 
     def post(self, req: Req) -> None:
         """Match ``req`` against an unexpected message of its communicator, or queue it."""
@@ -196,6 +209,8 @@ class Inbox:
                 return None
             self.held += nbytes
             u = Unexpected(Tag(comm, seq, step, call, count), nbytes)
+            if call == ABORT_CALL and comm not in self.notices:
+                self.notices[comm] = u.tag
             self.unexpected.setdefault(comm, deque()).append(u)
             return u
         return None
@@ -223,6 +238,7 @@ class Inbox:
         """Forget communicator ``comm``'s posted receives and unexpected messages; drop what
         arrives for it from now on. Returns the receives that were posted."""
         self.discard.add(comm)
+        self.notices.pop(comm, None)
         q = self.posted.pop(comm, None) or ()
         self.n_posted -= len(q)
         for u in self.unexpected.pop(comm, None) or ():
@@ -590,15 +606,23 @@ class LinkEngine(Transport):
         call's sequence number with another signature, raises MismatchError / PeerFailure naming
         the peer); and the error a receive of the context met on any link (a notice matched
         against a receive posted for a later step, which nobody waits on yet)."""
-        if not (tag[3] & 31):                   # p2p waits: other peers' traffic is normal
-            return
         ctx = tag[0]
+        p2p = not (tag[3] & 31)         # p2p waits: only abort notices (other traffic is normal)
         for link in self._links():
             ib = link.inbox
             if ib.errors:
                 e = ib.errors.get(ctx)
-                if e is not None:               # a receive not waited on here met a notice
-                    raise _copy_error(e)
+                if e is not None and (not p2p or getattr(e, "notice", False)):
+                    raise _copy_error(e)        # a receive not waited on here met a notice
+            if p2p:
+                n = ib.notices.get(ctx) if ib.notices else None
+                if n is not None:
+                    check_foreign(ib.peer, tag, n)
+                if link.rx_cur is None:
+                    for head in self._peek_all(link):
+                        if head[3] == ABORT_CALL:
+                            check_foreign(ib.peer, tag, Tag(*head))
+                continue
             q = ib.unexpected.get(ctx) if ib.unexpected else None
             if q:
                 for u in q:                     # held already: a notice may sit behind data
@@ -620,6 +644,28 @@ class LinkEngine(Transport):
         head = self._peek(link)
         if head is not None:
             yield head
+
+    def dead_peers(self) -> Dict[int, str]:
+        """The peers whose link is closed, with the reason (base.Transport.dead_peers)."""
+        with self._lock:
+            return {link.inbox.peer: link.closed for link in self._links()
+                    if link.closed is not None}
+
+    def exclude_peer(self, peer: int, reason: str) -> None:
+        """End the link to ``peer`` alone (base.Transport.exclude_peer): the engine's
+        ``_exclude`` tells the peer and shuts the link; this rank's waits on it raise."""
+        with self._lock:
+            link = self._link(peer)
+            if link.closed is not None:
+                return                   # ended already (died, finished, or excluded before)
+            link.closed = fenced_reason(reason)
+            self._exclude(link, reason)
+            link.txq.clear()             # nothing more goes to it (a started send is cut too)
+        self._progress.interrupt()
+
+    def _exclude(self, link, reason: str) -> None:
+        """Engine hook: tell ``link``'s peer ``reason`` (an abort of this link alone), and shut
+        the link down."""
 
     def describe(self) -> str:
         return (f"rank {self.rank}: {self.name} to {self.peer_ranks}" if self.peer_ranks
@@ -673,4 +719,6 @@ def _copy_error(e: BaseException) -> BaseException:
         return e
     if getattr(e, "peer", None) is not None:
         c.peer = e.peer
+    if getattr(e, "notice", False):
+        c.notice = True
     return c

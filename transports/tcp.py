@@ -426,6 +426,19 @@ class TcpTransport(LinkEngine):
                 except OSError:
                     pass
 
+    def _exclude(self, c: _Conn, reason: str) -> None:
+        """Under the lock: ``c`` alone ends as ``abort`` ends all (an abort frame with the
+        reason at a frame boundary, then both directions shut and no more events)."""
+        msg = reason.encode()[:2000]
+        try:
+            if not c.txq or c.txq[0].off == 0:
+                c.sock.send(_FRAME.pack(ABORT_COMM, 0, 0, 0, 0, len(msg)) + msg,
+                            _SEND_FLAGS | socket.MSG_DONTWAIT)
+            c.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._progress.unregister(c.fd)
+
     def close(self) -> None:
         with self._lock:
             if self._closed:

@@ -10,6 +10,7 @@ from ..transports.base import Capabilities, capabilities_of
 from .buffers import Buffers
 from .calls import CACHE_ENTRIES, CallPlans
 from .collectives import Collectives
+from .faulttolerance import FaultTolerance
 from .fingerprints import Fingerprints
 from .groups import Groups
 from .lifecycle import COLL, P2P, Lifecycle, context
@@ -20,13 +21,14 @@ from .scatter import ScatterHeader
 
 
 class Communicator(Collectives, ScatterHeader, ObjectCollectives, PointToPoint, Groups,
-                   RegisteredBuffers, CallPlans, Fingerprints, Buffers, Lifecycle):
+                   FaultTolerance, RegisteredBuffers, CallPlans, Fingerprints, Buffers, Lifecycle):
     """A group of ranks that run collectives together. Create with ``mc.spawn`` or ``mc.init``.
 
     Its methods: the collectives (``allreduce``, ``reduce``, ``broadcast``, ``allgather``,
     ``gather``, ``reduce_scatter``, ``alltoall``, ``scatter``, ``barrier``), their object forms,
     point-to-point (``send``, ``recv``, ``isend``, ``irecv``), ``split``, ``window``,
-    registered buffers (``empty``, ``register``, ``free``), ``abort`` and ``close``. A
+    registered buffers (``empty``, ``register``, ``free``), fault tolerance (``revoke``,
+    ``shrink``, ``agree``, ``failed_ranks``), ``abort`` and ``close``. A
     communicator is used by one thread at a time; ``async_op=True`` overlaps.
 
     Attributes:

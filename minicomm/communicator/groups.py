@@ -60,13 +60,14 @@ class Groups:
         color = -1 if color is None or int(color) < 0 else int(color)
         return color, self.rank if key is None else int(key)
 
-    def _subgroup(self, ranks: List[int], comm_id: int):
-        """The communicator of ``ranks`` (of this one) numbered ``comm_id``, on this transport."""
+    def _subgroup(self, ranks: List[int], comm_id: int, owner: bool = False):
+        """The communicator of ``ranks`` (of this one) numbered ``comm_id``, on this transport;
+        ``owner``: it closes the transport (shrink hands a world's ownership on)."""
         return type(self)(self.transport, ranks.index(self.rank), len(ranks),
                           group=[self.group[r] for r in ranks],
                           topology=[self.topology[r] for r in ranks], comm_id=comm_id,
                           timeout=self.timeout, check=self.check, link_model=self.link_model,
-                          _owner=False, _caps=self.caps)
+                          _owner=owner, _caps=self.caps)
 
     @serialized("window")
     def window(self, array) -> Window:

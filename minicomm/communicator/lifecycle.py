@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..errors import CommError, CommTimeout, MismatchError, PeerFailure
+from ..errors import CommError, CommTimeout, MismatchError, PeerFailure, Revoked
 from ..p2p import Status
 from ..transports.base import ABORT_CALL, ABORT_KINDS, Tag
 
@@ -31,9 +31,10 @@ from ..transports.base import ABORT_CALL, ABORT_KINDS, Tag
 # ``SPLIT_BASE`` are reserved for internal pairs (link measurement); split() numbers are
 # allocated by the lowest rank of each new group from its own counter, as
 # ``(world rank + 1) << 24 | counter``, and broadcast to the group: unique without a hash.
+# Agreement ``a`` (faulttolerance.py) travels on ``a << 40 | comm_id << 2 | FT``.
 WORLD_ID = 1
 SPLIT_BASE = 1 << 24
-COLL, P2P = 0, 1
+COLL, P2P, FT = 0, 1, 2
 id_counter = itertools.count(1)
 get_ident = threading.get_ident
 
@@ -44,7 +45,7 @@ get_ident = threading.get_ident
 USER_COLLECTIVES = frozenset((
     "allreduce", "reduce", "broadcast", "allgather", "gather", "reduce_scatter", "alltoall",
     "scatter", "barrier", "split", "window", "broadcast_object", "allgather_object",
-    "gather_object", "scatter_object"))
+    "gather_object", "scatter_object", "agree", "shrink"))
 SEQUENCE_NUMBER = re.compile(r"\bcall #(\d+)")
 
 
@@ -181,6 +182,12 @@ class Lifecycle:
         self._closed = False
         self._closing_error: Optional[BaseException] = None
         self._store = self._store_server = None  # a launched world's rendezvous (launch sets them)
+        self._world = self            # the owner of the transport; shrink()'s results share it
+        # fault tolerance (faulttolerance.py): agreements run here, their decided failed set,
+        # and the ranks this rank saw die
+        self._agreement_no = 0
+        self._agreed_failed: set = set()
+        self._seen_dead: set = set()
 
     def _log(self, msg: str) -> None:
         if self.debug_info:
@@ -221,7 +228,8 @@ class Lifecycle:
     def _usable(self, what: str) -> None:
         if self._broken is not None:
             e = self._broken
-            raise CommError(f"{what}: communicator is broken: {type(e).__name__}: {e}")
+            cls = Revoked if isinstance(e, Revoked) else CommError     # shrink() is the way on
+            raise cls(f"{what}: communicator is broken: {type(e).__name__}: {e}")
         if self._closed:
             raise CommError(f"{what}: communicator is closed")
 
@@ -236,14 +244,18 @@ class Lifecycle:
         step = ABORT_KINDS.index(kind) if kind in ABORT_KINDS else ABORT_KINDS.index("CommError")
         notice = np.empty(0, dtype=np.uint8)
         skip = getattr(error, "peer", None)
+        # a revoke also reaches members blocked in point-to-point calls of this communicator
+        contexts = (self._ctx, self._p2p.ctx) if isinstance(error, Revoked) else (self._ctx,)
         for r, peer in enumerate(self.group):
             if r == self.rank or peer == skip:
                 continue
-            try:
-                self.transport.isend(peer, notice, Tag(self._ctx, -1, step, ABORT_CALL, self._seq))
-            except (CommError, OSError, ValueError):
-                pass                  # that link is gone: its peer learns of it anyway
-        broken = CommError(f"communicator is broken: {kind}: {error}")
+            for ctx in contexts:
+                try:
+                    self.transport.isend(peer, notice, Tag(ctx, -1, step, ABORT_CALL, self._seq))
+                except (CommError, OSError, ValueError):
+                    pass              # that link is gone: its peer learns of it anyway
+        cls = Revoked if isinstance(error, Revoked) else CommError
+        broken = cls(f"communicator is broken: {kind}: {error}")
         self.transport.cancel_context(self._ctx, broken)
         self.transport.cancel_context(self._p2p.ctx, broken)
 
@@ -404,6 +416,9 @@ class Lifecycle:
             closed = CommError("communicator is closed")
             self.transport.cancel_context(self._ctx, closed)     # drop what peers still send
             self.transport.cancel_context(self._p2p.ctx, closed)
+            return
+        if self._world is not self:
+            self._world.close()       # a shrunk world: the launcher's world holds the store
             return
         self.transport.close()
         for res in (self._store, self._store_server):

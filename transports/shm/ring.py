@@ -221,7 +221,9 @@ class RingMixin:
                 p.rx_cur = target
             if c == _CMA_REC or c == _REG_REC:
                 try:
-                    if c == _REG_REC:
+                    if target.__class__ is not Req and target.dropped:
+                        pass          # a cancelled context's: consumed unread, the sender freed
+                    elif c == _REG_REC:
                         self._copy_registered(p, target, *_REG_DESC.unpack_from(mm, h + HDR),
                                               total)
                         self.received_single_copy["registered"] += 1
@@ -229,9 +231,10 @@ class RingMixin:
                         self._read_from(p, target, _CMA_ADDR.unpack_from(mm, h + HDR)[0], total)
                         self.received_single_copy["cma"] += 1
                 except (cma.CmaError, OSError, ValueError) as e:
+                    gone = getattr(e, "errno", None) == errno.ESRCH   # a ValueError has none
                     p.closed = p.closed or (
                         "it has exited (a single-copy read found no such process)"
-                        if e.errno == errno.ESRCH else f"a single-copy read from it failed: {e}")
+                        if gone else f"a single-copy read from it failed: {e}")
                     break
                 tail += _CMA_RECORD
                 p.rx_q[_TAIL] = tail  # the sender's buffer is free again

@@ -121,6 +121,18 @@ class ShmTransport(EagerMixin, RingMixin, DoorbellMixin, SingleCopyMixin, Regist
                     pass
                 self._futex_wake(p)   # a peer asleep on its word reads the reason now
 
+    def _exclude(self, p: _Peer, reason: str) -> None:
+        """Under the lock: ``p``'s link alone ends as ``abort`` ends all (the reason, then EOF;
+        ours shut both ways so nothing it sends is read as news)."""
+        if p.sock is None:
+            return
+        try:
+            p.sock.send(_ABORT + reason.encode()[:2000], _NOWAIT)
+            p.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._futex_wake(p)           # a peer asleep on its word reads the reason now
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
