@@ -86,7 +86,7 @@ class CallPlans:
         """The α-β link model ``algorithm="auto"`` chooses by.
 
         Setting it drops every choice made under the old one (a new world sets the model its
-        ranks agreed on, from measured or cached link parameters).
+        ranks agreed on, from probed or cached link parameters).
 
         Returns:
             (LinkModel): The model in use.
