@@ -7,13 +7,21 @@ Start a world with ``spawn`` (threads or processes on this machine) or ``init`` 
 that ``minicomm run``, mpiexec, srun or torchrun started); every rank gets a ``Communicator``.
 The names here: ``spawn``, ``init``, ``Communicator``, ``Work`` (an async operation's handle),
 ``Status`` (what a receive matched), the errors (``CommError`` and its subclasses
-``CommTimeout``, ``MismatchError``, ``PeerFailure``, ``RMAError``, ``SpawnError``), the
+``CommTimeout``, ``MismatchError``, ``PeerFailure``, ``Revoked``, ``RMAError``, ``SpawnError``), the
 reduction ops ``SUM``, ``PROD``, ``MIN``, ``MAX``, ``AVG``, ``BAND``, ``BOR``, ``BXOR`` (the
 strings "sum", "prod", ...: ``op=`` takes either) and the wildcards ``ANY_SOURCE`` and
 ``ANY_TAG`` of ``recv`` / ``irecv`` (both -1).
 """
 from .communicator import Communicator, Work
-from .errors import CommError, CommTimeout, MismatchError, PeerFailure, RMAError, SpawnError
+from .errors import (
+           CommError,
+           CommTimeout,
+           MismatchError,
+           PeerFailure,
+           Revoked,
+           RMAError,
+           SpawnError,
+)
 from .launch import init, spawn
 from .launch.world import set_link_agreement
 from .ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM
@@ -27,5 +35,5 @@ del set_link_agreement, agree_link_model
 
 __version__ = "0.1.0"
 __all__ = ["spawn", "init", "Communicator", "Work", "CommError", "CommTimeout", "MismatchError",
-           "PeerFailure", "RMAError", "SpawnError", "SUM", "PROD", "MIN", "MAX", "AVG", "BAND",
+           "PeerFailure", "Revoked", "RMAError", "SpawnError", "SUM", "PROD", "MIN", "MAX", "AVG", "BAND",
            "BOR", "BXOR", "ANY_SOURCE", "ANY_TAG", "Status"]

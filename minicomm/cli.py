@@ -64,6 +64,10 @@ def _cmd_run(a) -> int:
                   f"(at least one worker)", file=sys.stderr)
             return 2
         os.environ["MINICOMM_NUM_SERVERS"] = str(a.servers)
+    if a.on_failure != "end" and (a.hosts or a.hostfile):
+        print("minicomm run: --on-failure continue is for jobs on this box (not --hosts)",
+              file=sys.stderr)
+        return 2
     if a.hosts or a.hostfile:
         from .launch import ssh as sshlaunch
         try:
@@ -77,7 +81,8 @@ def _cmd_run(a) -> int:
         print("minicomm run: give -n N (or --hosts / --hostfile)", file=sys.stderr)
         return 2
     from .launch.local import run_local
-    return run_local(a.n, argv, nodes=a.nodes, transport=a.transport, timeout=a.timeout)
+    return run_local(a.n, argv, nodes=a.nodes, transport=a.transport, timeout=a.timeout,
+                     on_failure=a.on_failure)
 
 
 def _cmd_bench(a) -> int:
@@ -124,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "rdma", "ub"],
                    help="how ranks talk (auto: shared memory within a node, tcp between)")
     r.add_argument("--timeout", type=float, default=None, help="per-wait timeout (s)")
+    r.add_argument("--on-failure", default="end", choices=["end", "continue"],
+                   help="end: a failed rank ends the job; continue: the others go on, e.g. "
+                        "to shrink() and train on (default: %(default)s)")
     r.add_argument("--servers", type=int, default=None,
                    help="parameter servers: ranks 0..K-1 serve in ps.start(comm), the rest are "
                         "workers (sets MINICOMM_NUM_SERVERS)")

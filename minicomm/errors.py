@@ -73,9 +73,12 @@ class SpawnError(CommError):
     Args:
         message (str): The summary.
         failures (Sequence): ``(rank, traceback text)`` of every failed rank.
+        results (Sequence): Every rank's return value by rank (None for a failed rank).
 
     Attributes:
         failures (list): ``(rank, traceback text)`` pairs, root cause first.
+        results (list): What the ranks that finished returned, by rank; None where one failed
+            (with ``on_failure="continue"``: the survivors' results).
 
     Examples:
         >>> try:
@@ -85,9 +88,10 @@ class SpawnError(CommError):
         0 True
     """
 
-    def __init__(self, message: str, failures=()):
+    def __init__(self, message: str, failures=(), results=()):
         super().__init__(message)
         self.failures = list(failures)
+        self.results = list(results)
 
 
 # ---- packed call signature: what a message tag says about the call it belongs to ----

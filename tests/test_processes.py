@@ -201,3 +201,76 @@ def test_minicomm_run_ends_the_job_when_a_rank_fails(tmp_path):
     assert out.returncode != 0
     assert "rank 1 exited with status 3" in out.stdout
     assert time.monotonic() - t0 < 30
+
+
+SURVIVE_SCRIPT = """
+import os, sys
+import numpy as np
+import minicomm as mc
+comm = mc.init()
+comm.timeout = 10.0
+if comm.rank == 1:
+    os._exit(3)                         # dies before the first collective
+try:
+    comm.allreduce(np.ones(4))
+except mc.CommError as e:
+    print("caught", type(e).__name__, flush=True)
+new = comm.shrink()
+y = new.allreduce(np.ones(4) * (comm.rank + 1))
+print("survivor", comm.rank, "->", new.rank, "of", new.size, "sum", y[0], flush=True)
+"""
+
+
+def test_minicomm_run_on_failure_continue_lets_the_survivors_shrink(tmp_path):
+    script = tmp_path / "survive.py"
+    script.write_text(SURVIVE_SCRIPT)
+    out = subprocess.run([sys.executable, "-m", "minicomm.cli", "run", "-n", "3",
+                          "--on-failure", "continue", str(script)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "rank 1 exited with status 3; the others go on" in out.stdout, out.stdout
+    lines = sorted(l for l in out.stdout.splitlines() if "survivor" in l)
+    # old ranks 0 and 2 become 0 and 1; the sum is (0 + 1) + (2 + 1)
+    assert lines == ["[0] survivor 0 -> 0 of 2 sum 4.0", "[2] survivor 2 -> 1 of 2 sum 4.0"], \
+        out.stdout
+
+
+def test_minicomm_run_on_failure_continue_fails_when_every_rank_fails(tmp_path):
+    script = tmp_path / "allfail.py"
+    script.write_text("import sys\nimport minicomm as mc\ncomm = mc.init()\nsys.exit(4)\n")
+    out = subprocess.run([sys.executable, "-m", "minicomm.cli", "run", "-n", "2",
+                          "--on-failure", "continue", str(script)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 4, out.stdout + out.stderr
+    assert out.stdout.count("exited with status 4; the others go on") == 2, out.stdout
+
+
+def test_minicomm_run_on_failure_is_checked_by_name():
+    out = subprocess.run([sys.executable, "-m", "minicomm.cli", "run", "-n", "2",
+                          "--on-failure", "retry", "x.py"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "--on-failure" in out.stderr and "retry" in out.stderr
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_spawn_on_failure_continue_returns_the_survivors_results(transport):
+    def prog(comm):
+        if comm.rank == 0:
+            os._exit(5)
+        comm.timeout = 10.0
+        try:
+            comm.barrier()
+        except mc.CommError:
+            pass
+        new = comm.shrink()
+        return new.rank, new.allreduce(np.array([comm.rank]))[0]
+
+    with pytest.raises(mc.SpawnError) as ei:
+        mc.spawn(prog, 3, transport=transport, on_failure="continue", timeout=30)
+    assert [r for r, _ in ei.value.failures] == [0]
+    assert ei.value.results == [None, (0, 3), (1, 3)]
+
+
+def test_spawn_on_failure_is_checked_by_name():
+    with pytest.raises(ValueError, match="on_failure 'retry'"):
+        mc.spawn(lambda comm: None, 2, transport="inproc", on_failure="retry")

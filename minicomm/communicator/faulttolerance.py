@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import CommError, PeerFailure, Revoked
 from ..settings import timeout_arg
-from ..transports.base import Tag
+from ..transports.base import CLEAN_CLOSE, Tag
 from .lifecycle import FT, SPLIT_BASE, id_counter, serialized
 
 FT_CALL = -32                 # Tag.call of every agreement message (call & 31 == 0: p2p-like)
@@ -34,9 +34,6 @@ _HEAD = 7                     # kind, ballot, value, new_id, accepted ballot, va
 # Test hooks: ``TEST_HOOKS["ft_send"](kind, k)`` runs before this rank's k-th send (from 0) of a
 # message of ``kind`` in one agreement (tests kill the rank there).
 TEST_HOOKS: dict = {}
-# how every transport's link reason of a peer that closed in order starts (progress.CLEAN_CLOSE):
-# such a peer finished, it did not fail
-FINISHED = "it closed its transport"
 
 Decision = Tuple[bool, FrozenSet[int], int]      # (value, failed comm ranks, new comm id)
 
@@ -301,7 +298,7 @@ class FaultTolerance:
         ``peer``: a rank that broke a communicator is alive); ``finished``: with the peers that
         closed in order (they take part in no agreement either)."""
         links = {self._rank_of(w) for w, why in self.transport.dead_peers().items()
-                 if finished or not why.startswith(FINISHED)} - {None, self.rank}
+                 if finished or not why.startswith(CLEAN_CLOSE)} - {None, self.rank}
         return set(self._agreed_failed) | self._seen_dead | links
 
     def _rank_of(self, world: Optional[int]) -> Optional[int]:

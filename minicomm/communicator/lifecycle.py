@@ -145,6 +145,8 @@ def same_error(e: BaseException) -> BaseException:
     except Exception:
         return CommError(str(e))
     c.peer = getattr(e, "peer", None)
+    if getattr(e, "notice", False):
+        c.notice = True           # from a live peer's notice (errors.Revoked, PeerFailure)
     return c
 
 

@@ -41,11 +41,13 @@ from .lifeline import EXEC_UNDER_LIFELINE
 from .world import TRANSPORTS, node_map
 
 FAILURE_GRACE = 5.0     # seconds the surviving ranks get to notice a failure by themselves
+ON_FAILURE = ("end", "continue")   # what a rank's failure does to the others (spawn, run)
 
 
 # ---------------------------------------------------------------------------------- spawn
 def spawn(fn: Callable, world_size: int, args: Sequence = (), transport: str = "auto",
-          nodes: int = 1, timeout: Optional[float] = None) -> List[Any]:
+          nodes: int = 1, timeout: Optional[float] = None,
+          on_failure: str = "end") -> List[Any]:
     """Run ``fn(comm, *args)`` on ``world_size`` ranks; return the results by rank.
 
     Args:
@@ -59,6 +61,9 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), transport: str = "
             ``comm.topology`` (the hierarchical algorithms and "auto" use it).
         timeout (float | None): Seconds each wait of a rank may take (default
             ``MINICOMM_TIMEOUT``); not a deadline for the job.
+        on_failure (str): "end": after the first failure the others get a grace period to fail
+            by themselves, then are killed. "continue": a failure ends no other rank; the
+            survivors go on (``comm.shrink()``) and spawn waits for every rank.
 
     Returns:
         (list): ``fn``'s return value on each rank, by rank.
@@ -67,7 +72,7 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), transport: str = "
         ValueError: An unknown transport, ``world_size < 1``, or a bad setting
             (``MINICOMM_TIMEOUT``, ``MINICOMM_DEBUG``, ``MINICOMM_ALGO``).
         SpawnError: One or more ranks raised or died; the root cause first, with every failed
-            rank's traceback (``failures``).
+            rank's traceback (``failures``) and the other ranks' return values (``results``).
 
     Examples:
         >>> mc.spawn(lambda comm: comm.allreduce(np.ones(2)), world_size=4, transport="inproc")
@@ -77,6 +82,8 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), transport: str = "
         raise ValueError(f"transport {transport!r}: choose one of {', '.join(TRANSPORTS)}")
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
+    if on_failure not in ON_FAILURE:
+        raise ValueError(f"on_failure {on_failure!r}: choose one of {', '.join(ON_FAILURE)}")
     timeout = timeout_arg("spawn: timeout", timeout)
     # the settings every rank reads, checked once here: a bad one is this ValueError, named,
     # instead of the same error from every rank
@@ -85,8 +92,9 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), transport: str = "
     parse_algo_env()
     topology = node_map(world_size, nodes)
     if transport == "inproc":
-        return _spawn_threads(fn, world_size, tuple(args), topology, timeout)
-    return _spawn_processes(fn, world_size, tuple(args), transport, topology, timeout)
+        return _spawn_threads(fn, world_size, tuple(args), topology, timeout, on_failure)
+    return _spawn_processes(fn, world_size, tuple(args), transport, topology, timeout,
+                            on_failure)
 
 
 def _order_failures(failures):
@@ -94,17 +102,17 @@ def _order_failures(failures):
     return sorted(failures, key=lambda f: (f[3], f[0]))
 
 
-def _raise_spawn_error(failures, world_size: int):
+def _raise_spawn_error(failures, world_size: int, results: Sequence = ()):
     failures = _order_failures(failures)
     first = failures[0]
     lines = [f"{len(failures)} of {world_size} ranks failed; root cause: rank {first[1]}: "
              f"{first[2]}"]
     for _, rank, summary, _, tb in failures:
         lines.append(f"--- rank {rank}: {summary}\n{tb.rstrip()}")
-    raise SpawnError("\n".join(lines), [(f[1], f[4]) for f in failures])
+    raise SpawnError("\n".join(lines), [(f[1], f[4]) for f in failures], results)
 
 
-def _spawn_threads(fn, world_size, args, topology, timeout):
+def _spawn_threads(fn, world_size, args, topology, timeout, on_failure):
     from ..transports.inproc import Fabric, InprocTransport
     fabric = Fabric(world_size)
     results: List[Any] = [None] * world_size
@@ -144,7 +152,7 @@ def _spawn_threads(fn, world_size, args, topology, timeout):
         while len(done) < world_size:
             with lock:
                 first = min((f[0] for f in failures), default=None)
-            if first is None:
+            if first is None or on_failure == "continue":
                 finished.wait(60.0)          # woken by each finishing rank; re-checks failures
                 continue
             left = first + FAILURE_GRACE - time.monotonic()
@@ -153,11 +161,11 @@ def _spawn_threads(fn, world_size, args, topology, timeout):
             finished.wait(left)
     hung = [r for r in range(world_size) if r not in done]
     if hung:
-        fabric.abort(hung[0], CommError("spawn: the job failed"))
+        fabric.shutdown(CommError("spawn: the job failed"))
         failures.extend((time.monotonic(), r, f"still running {FAILURE_GRACE:.0f}s after the job "
                          f"failed", True, "") for r in hung)
     if failures:
-        _raise_spawn_error(failures, world_size)
+        _raise_spawn_error(failures, world_size, results)
     return results
 
 
@@ -172,7 +180,7 @@ def _sweep(job_id: str) -> None:
 last_job_id: Optional[str] = None   # of the latest process job (tests check it left nothing)
 
 
-def _spawn_processes(fn, world_size, args, transport, topology, timeout):
+def _spawn_processes(fn, world_size, args, transport, topology, timeout, on_failure):
     global last_job_id
     job_id = last_job_id = secrets.token_hex(6)
     host = socket.gethostname()
@@ -199,7 +207,7 @@ def _spawn_processes(fn, world_size, args, transport, topology, timeout):
             header = struct.pack("!QQ", len(payload) - len(blob), len(blob))
             p.stdin.write(header + payload)
             p.stdin.flush()            # stdin stays open: it is the child's lifeline
-        return _collect(procs, readers, world_size, timeout)
+        return _collect(procs, readers, world_size, on_failure)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -219,7 +227,7 @@ def _spawn_processes(fn, world_size, args, transport, topology, timeout):
         _sweep(job_id)
 
 
-def _collect(procs, readers, world_size, timeout):
+def _collect(procs, readers, world_size, on_failure):
     sel = selectors.DefaultSelector()
     chunks: Dict[int, List[bytes]] = {r: [] for r in readers}
     for r, fd in readers.items():
@@ -234,7 +242,7 @@ def _collect(procs, readers, world_size, timeout):
     while len(finished) < world_size:
         now = time.monotonic()
         limit = None
-        if first_failure_at is not None:
+        if first_failure_at is not None and on_failure == "end":
             limit = first_failure_at + FAILURE_GRACE
         if limit is not None and now >= limit:
             for r in range(world_size):
@@ -272,27 +280,32 @@ def _collect(procs, readers, world_size, timeout):
                     first_failure_at = time.monotonic()
     sel.close()
     if failures:
-        _raise_spawn_error(failures, world_size)
+        _raise_spawn_error(failures, world_size, results)
     return results
 
 
 # ---------------------------------------------------------------------------------- run -n
 def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str = "auto",
               timeout: Optional[float] = None, python: str = sys.executable,
-              out=None) -> int:
+              out=None, on_failure: str = "end") -> int:
     """``minicomm run -n N script.py args`` on this box: start N ranks, prefix their output with
     ``[rank]``, end them all when one fails or on Ctrl-C/SIGTERM; return the exit status.
+
+    ``on_failure="continue"`` (``--on-failure continue``): a rank's failure is reported and ends
+    no other rank (they may ``shrink()`` and go on); the job exits 0 when a rank finished with 0.
 
     Each rank is exec'd through lifeline.EXEC_UNDER_LIFELINE: if this launcher dies (even by
     SIGKILL) the kernel sends every rank SIGTERM, and ``mc.init`` gave the rank an orderly SIGTERM
     exit that unlinks its segments and sweeps the job's (lifeline.py)."""
     out = out or sys.stdout.buffer
+    if on_failure not in ON_FAILURE:
+        raise ValueError(f"--on-failure {on_failure!r}: choose one of {', '.join(ON_FAILURE)}")
     timeout = timeout_arg("--timeout", timeout)
     topology = node_map(nprocs, nodes)
     job_id = secrets.token_hex(6)
     token = secrets.token_bytes(32)
     server = StoreServer("127.0.0.1", 0, token)
-    job = _LocalJob(nprocs, out)
+    job = _LocalJob(nprocs, out, on_failure)
 
     def on_signal(signum, frame):
         job.stop_signal = signum
@@ -336,8 +349,10 @@ class _LocalJob:
     """The ranks of one ``run_local`` job: their output, relayed line by line with a ``[rank]``
     prefix, and the verdict when one fails (which rank is the cause, the exit status)."""
 
-    def __init__(self, nprocs: int, out):
+    def __init__(self, nprocs: int, out, on_failure: str = "end"):
         self.out = out
+        self.on_failure = on_failure
+        self.reported: set = set()            # continue: the failed ranks already named
         self.procs: List[subprocess.Popen] = []
         self.sel = selectors.DefaultSelector()
         self.stop_signal: Optional[int] = None   # SIGINT / SIGTERM received by the launcher
@@ -372,10 +387,30 @@ class _LocalJob:
                 for p in procs:
                     _signal_group(p, signal.SIGKILL)
             self.relay(0.2)
-            self.judge()
+            if self.on_failure == "continue" and self.stop_signal is None:
+                self.report_failures()
+            else:
+                self.judge()
             if not self.open_streams and all(p.poll() is not None for p in procs):
                 break
         return self.exit_code
+
+    def report_failures(self) -> None:
+        """``on_failure="continue"``: name each rank that failed, end nobody. The exit status:
+        0 once a rank has finished with 0, else the first failure's."""
+        for r, p in enumerate(self.procs):
+            rc = p.poll()
+            if rc is None or r in self.reported:
+                continue
+            self.reported.add(r)
+            if rc == 0:
+                self.exit_code = 0
+                continue
+            if not any(q.poll() == 0 for q in self.procs):
+                self.exit_code = self.exit_code or (rc if rc > 0 else 128 - rc)
+            self.out.write(f"minicomm run: rank {r} exited with status {rc}; the others go on "
+                           f"(--on-failure continue)\n".encode())
+            self.out.flush()
 
     def relay(self, timeout: float) -> None:
         """Copy what the ranks wrote within ``timeout`` to ``out``, whole lines, prefixed."""
