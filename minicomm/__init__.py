@@ -14,13 +14,13 @@ strings "sum", "prod", ...: ``op=`` takes either) and the wildcards ``ANY_SOURCE
 """
 from .communicator import Communicator, Work
 from .errors import (
-           CommError,
-           CommTimeout,
-           MismatchError,
-           PeerFailure,
-           Revoked,
-           RMAError,
-           SpawnError,
+    CommError,
+    CommTimeout,
+    MismatchError,
+    PeerFailure,
+    Revoked,
+    RMAError,
+    SpawnError,
 )
 from .launch import init, spawn
 from .launch.world import set_link_agreement

@@ -25,7 +25,9 @@ are binary frames validated field by field (``wire``); nothing a peer sends is u
 transport authenticates every peer with the job token before that.
 
 Failures: in async/SSP mode a dead worker is dropped and the rest go on; in BSP mode the others'
-calls raise ``mc.PeerFailure`` (naming the dead rank) instead of hanging. A malformed request is
+calls raise ``mc.PeerFailure`` (naming the dead rank) instead of hanging, or, with
+``on_worker_failure="drop"``, the dead worker is dropped at the clock it held back (that clock
+averages the gradients that arrived) and the rest go on. A malformed request is
 refused with ``ProtocolError`` and the server keeps serving.
 
 Restrictions: floating-point arrays; the key set is fixed at ``init`` (at most 12288 keys, names of
@@ -43,6 +45,7 @@ from typing import Optional
 from .checkpoint import CheckpointError, check_run_id
 from .optimizers import SGD, Adam, Optimizer
 from .server import Server
+from .shard import ON_WORKER_FAILURE
 from .sharding import Plan
 from .wire import ProtocolError
 from .worker import Worker
@@ -74,7 +77,7 @@ def _num_servers(num_servers, size: int) -> int:
 def start(comm, num_servers: Optional[int] = None, staleness: Optional[int] = 0,
           optimizer: Optional[Optimizer] = None, checkpoint_dir=None, checkpoint_every: int = 0,
           resume: bool = False, chunk_bytes: int = 4 << 20,
-          run_id: Optional[str] = None) -> Optional[Worker]:
+          run_id: Optional[str] = None, on_worker_failure: str = "fail") -> Optional[Worker]:
     """Make ranks ``0..num_servers-1`` parameter servers and the rest workers.
 
     Every rank of ``comm`` calls it with the same arguments. The servers serve until every
@@ -103,20 +106,26 @@ def start(comm, num_servers: Optional[int] = None, staleness: Optional[int] = 0,
         run_id (str | None): The run's name in the checkpoint files (1..64 letters, digits,
             ``_.-``). With ``resume=False`` it must have no checkpoints yet (None: a fresh id
             from the time and 32 random bits); with ``resume=True`` it picks the run to resume.
+        on_worker_failure (str): What synchronous mode does when a worker dies. "fail" (the
+            default): the other workers' calls raise ``PeerFailure`` naming it. "drop": the
+            servers drop it at the clock it held back, average that clock over the workers
+            whose gradients arrived, and serve the others on (as async and SSP always do).
 
     Returns:
         (Worker | None): A ``Worker`` on worker ranks; None on server ranks, once every worker
             has closed.
 
     Raises:
-        ValueError: A bad num_servers, staleness, checkpoint_every, chunk_bytes or run_id, or
+        ValueError: A bad num_servers, staleness, checkpoint_every, chunk_bytes, run_id or
+            on_worker_failure, or
             checkpointing (or a run_id) asked for without a checkpoint_dir.
         TypeError: An optimizer that is not a ``ps.Optimizer``.
         CheckpointError: On the servers: the checkpoint directory is not a directory, is
             another user's, or group or others can write it; ``resume=False`` with a
             ``run_id`` that has checkpoints; ``resume`` found an unreadable checkpoint, one of
             another configuration, or (a named run) no update count every server holds.
-        PeerFailure: In synchronous mode, a worker died (naming it).
+        PeerFailure: In synchronous mode with ``on_worker_failure="fail"``, a worker died
+            (naming it).
 
     Examples:
         >>> from minicomm import ps
@@ -151,6 +160,9 @@ def start(comm, num_servers: Optional[int] = None, staleness: Optional[int] = 0,
             raise ValueError(f"ps.start: {e}") from None
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 8:
         raise ValueError(f"ps.start: chunk_bytes must be an int >= 8, got {chunk_bytes!r}")
+    if on_worker_failure not in ON_WORKER_FAILURE:
+        raise ValueError(f"ps.start: on_worker_failure must be one of "
+                         f"{', '.join(ON_WORKER_FAILURE)}, got {on_worker_failure!r}")
     checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
     # A private communicator: the servers' ANY_SOURCE receives and the PS tags never meet the
     # caller's own point-to-point traffic, and the caller may keep using comm in another thread.
@@ -159,7 +171,7 @@ def start(comm, num_servers: Optional[int] = None, staleness: Optional[int] = 0,
     if sub.rank < k:
         try:
             Server(sub, k, workers, staleness, optimizer, chunk_bytes, checkpoint_dir,
-                   checkpoint_every, bool(resume), run_id).run()
+                   checkpoint_every, bool(resume), run_id, on_worker_failure).run()
         finally:
             sub.close()
         return None

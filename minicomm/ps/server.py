@@ -194,14 +194,15 @@ class Server:
 
     def __init__(self, comm, num_servers: int, workers, staleness, optimizer, chunk_bytes: int,
                  checkpoint_dir: Optional[str], checkpoint_every: int, resume: bool,
-                 run_id: Optional[str] = None):
+                 run_id: Optional[str] = None, on_worker_failure: str = "fail"):
         self.comm = comm
         self.timeout = comm.timeout
         self.num_servers = num_servers
         self.io = CommIO(comm, self.timeout)
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self.shard = Shard(comm.rank, num_servers, workers, staleness, clone_optimizer(optimizer),
-                           chunk_bytes, self.io, after_update=self._after_update)
+                           chunk_bytes, self.io, after_update=self._after_update,
+                           on_worker_failure=on_worker_failure)
         self.run_id: Optional[str] = None      # the run this job's checkpoints belong to
         if checkpoint_dir is not None:
             checkpoint.ensure_dir(checkpoint_dir)

@@ -30,9 +30,12 @@ Consistency (``staleness``), enforced per worker clock c_w = pushes received fro
 A worker's requests are served in order (a blocked one blocks those behind it), so a reply's
 clock is exactly the requester's. A push's pieces are all received before any is applied, so a
 refused or interrupted push changes nothing. Failures: a dead worker in async/SSP mode is dropped
-(its clock no longer holds anyone back); in BSP mode the clock can never complete, so every
-waiting and later request is answered with a PEER_FAILED error naming it ("broken"). Closing
-workers are answered even then.
+(its clock no longer holds anyone back). In BSP mode ``on_worker_failure`` decides: "fail" (the
+default): the clock can never complete, so every waiting and later request is answered with a
+PEER_FAILED error naming it ("broken"); "drop": the worker is dropped as in async mode, the clock
+it held back is applied with the gradients that arrived (a push it completed before it died
+counts), divided by the number of those contributors, and the survivors go on. Closing workers are
+answered even then. A worker whose initial values never arrived breaks the shard in every mode.
 
 Cost per push of M bytes held here: M received, one add of M (BSP, from the second worker on),
 one optimizer pass; per pull M sent straight from the params (zero copy). Memory: params,
@@ -53,6 +56,7 @@ from .optimizers import Optimizer
 from .sharding import KeySpec, Piece, Plan
 
 NEW, INITED, CLOSED, DEAD = "new", "inited", "closed", "dead"
+ON_WORKER_FAILURE = ("fail", "drop")      # what BSP does with a dead worker (module docstring)
 MAX_SHARD_BYTES = 1 << 40
 
 
@@ -80,9 +84,14 @@ class Shard:
 
     def __init__(self, server: int, num_servers: int, workers: Sequence[int],
                  staleness: Optional[int], optimizer: Optimizer, chunk_bytes: int, io,
-                 after_update: Optional[Callable[["Shard"], None]] = None):
+                 after_update: Optional[Callable[["Shard"], None]] = None,
+                 on_worker_failure: str = "fail"):
         if not workers:
             raise ValueError("a parameter server needs at least one worker")
+        if on_worker_failure not in ON_WORKER_FAILURE:
+            raise ValueError(f"on_worker_failure={on_worker_failure!r}: choose one of "
+                             f"{', '.join(ON_WORKER_FAILURE)}")
+        self.drop_dead = on_worker_failure == "drop"
         self.server, self.num_servers, self.chunk_bytes = server, num_servers, chunk_bytes
         self.workers = tuple(sorted(workers))
         self.lowest = self.workers[0]
@@ -434,11 +443,14 @@ class Shard:
             self.receiving = [r for r in self.receiving if r.worker != w]
             self.waiting = [x for x in self.waiting if x[0] != w]
             self.init_waiting = [x for x in self.init_waiting if x[0] != w]
-            if self.sync or not self.init_done:
-                if self.sync or w == self.lowest and not (self.have_values or self.resumed):
-                    self._break(wire.PEER_FAILED, f"worker rank {w} failed", w)
+            lost_init_values = (not self.init_done and w == self.lowest
+                                and not (self.have_values or self.resumed))
+            if lost_init_values or (self.sync and not self.drop_dead):
+                self._break(wire.PEER_FAILED, f"worker rank {w} failed", w)
             if self.broken is None:
                 self._maybe_finish_init()
+                # drop: the clock w held back completes with the contributions that arrived
+                self._maybe_apply()
         return moved
 
     def _break(self, code: int, message: str, peer: int = -1) -> None:

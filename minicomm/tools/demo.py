@@ -30,6 +30,16 @@ parameters it pulls; a server's share comes from the parameter server's sharding
 With matplotlib installed it writes loss-vs-step, loss-vs-time and throughput plots to ``--out``
 (``./minicomm-demo``); the loss plots say which curves coincide (the synchronous runs do).
 
+``--kill-worker STEP`` adds a failure drill: every distributed mode runs a second time, and its
+last worker ends itself with ``os._exit`` before step STEP. Allreduce modes train elastically
+(``train_elastic``: the survivors shrink, roll back to the last commit and go on with the global
+batch re-sharded over them); ps-sync drops the dead worker at the clock it held back
+(``on_worker_failure="drop"``); ps-async and ps-ssp drop it anyway. A second table reports per run
+the steps lost (completed steps rolled back), the time to recover (how much longer the step
+training resumed at took than the run's median step: detection, shrink and lost work included)
+and the test accuracy against the run without a failure; with matplotlib, failure.png shows it.
+A kill needs processes: with ``--transport auto`` or ``inproc`` the drill runs on shm.
+
 Defaults (2 workers, 2 servers, 400 steps of a 64-sample global batch, lr 0.2) finish in well
 under a minute on a 2-core machine; most of that is starting processes. They are chosen so the
 synchronous runs are near convergence (test accuracy on digits about 0.96), where async and SSP,
@@ -50,6 +60,7 @@ from typing import Dict, List, Optional, Sequence
 
 from ..training.data import DATASETS, Dataset, load_dataset
 from ..training.data_parallel import DEFAULT_BUCKET_CAP, train_data_parallel
+from ..training.elastic import train_elastic
 from ..training.ps_trainer import ps_available, train_ps
 from ..training.single import RankLog, TrainConfig, evaluate, train_single
 
@@ -62,6 +73,7 @@ SPAWN_TIMEOUT = 300.0      # seconds per wait inside a run: a hang fails the run
 # The demo's model is ~38 KB: with ps.start's 4 MiB default every array would sit whole on one
 # server (w1 alone is 85 % of the model). 8 KiB pieces spread it over the servers, BytePS-style.
 DEMO_CHUNK_BYTES = 8 << 10
+KILLED_EXIT = 86           # the exit status of a worker a failure drill ends (``DieAt``)
 
 
 @dataclass(frozen=True)
@@ -129,7 +141,8 @@ class Progress:
             # the postfix goes in before the redraw, so a frame never shows an older batch's loss
             self._bar.set_postfix_str(f"batch_loss={loss:.4f}", refresh=False)
             if self._done < self.total:
-                self._bar.update(1)
+                # after an elastic rollback the step goes back: the update is then negative
+                self._bar.update(self._done - self._bar.n)
             else:
                 # close() draws the final frame; update(1) here would draw it a second time
                 # whenever the last step came more than mininterval after the previous frame
@@ -190,6 +203,185 @@ def execute(spec: RunSpec, dataset: Dataset, config: TrainConfig, transport: str
                         args=(dataset, config, spec.servers, spec.staleness, chunk_bytes,
                               show_progress, spec.label))
     return [log for log in logs if log is not None]
+
+
+# ------------------------------------------------------------------------------ failure drill
+class DieAt:
+    """A ``before_step`` hook that ends this process with ``os._exit(KILLED_EXIT)`` before step
+    ``step``: the failure drill's dead worker (a crash: no goodbye on any link)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def __call__(self, step: int) -> None:
+        if step == self.step:
+            os._exit(KILLED_EXIT)
+
+
+def drill_transport(transport: str) -> str:
+    """The transport of a failure drill: a process transport, since a kill in inproc's threads
+    would end the demo itself; shm for auto and inproc."""
+    return "shm" if transport in ("auto", "inproc") else transport
+
+
+def _elastic_rank(comm, dataset, config, algorithm, bucket_cap, kill_step, show_progress, label):
+    victim = comm.rank == comm.size - 1
+    bar = Progress(label, config.steps, show_progress and comm.rank == 0)
+    try:
+        return train_elastic(comm, dataset, config, algorithm, bucket_cap_bytes=bucket_cap,
+                             on_step=bar, before_step=DieAt(kill_step) if victim else None)
+    finally:
+        bar.close()
+
+
+def _ps_drill_rank(comm, dataset, config, servers, staleness, chunk_bytes, kill_step,
+                   show_progress, label):
+    victim = comm.rank == comm.size - 1
+    bar = Progress(label, config.steps, show_progress and comm.rank == servers)
+    try:
+        return train_ps(comm, dataset, config, num_servers=servers, staleness=staleness,
+                        chunk_bytes=chunk_bytes, on_step=bar, on_worker_failure="drop",
+                        before_step=DieAt(kill_step) if victim else None)
+    finally:
+        bar.close()
+
+
+def execute_with_failure(spec: RunSpec, dataset: Dataset, config: TrainConfig, kill_step: int,
+                         transport: str = "shm", show_progress: bool = True,
+                         bucket_cap: int = DEFAULT_BUCKET_CAP,
+                         chunk_bytes: int = DEMO_CHUNK_BYTES,
+                         timeout: float = SPAWN_TIMEOUT) -> List[RankLog]:
+    """Run a distributed spec whose last worker dies before ``kill_step`` (allreduce modes train
+    elastically, PS modes drop the dead worker); the survivors' training logs, the one holding
+    the final parameters first. Raises the ``SpawnError`` if any other rank failed."""
+    from ..errors import SpawnError
+    from ..launch import spawn
+    label = f"{spec.label} kill@{kill_step}"
+    if spec.mode == "allreduce":
+        fn, world = _elastic_rank, spec.workers
+        args = (dataset, config, spec.algorithm, bucket_cap, kill_step, show_progress, label)
+    else:
+        fn, world = _ps_drill_rank, spec.servers + spec.workers
+        args = (dataset, config, spec.servers, spec.staleness, chunk_bytes, kill_step,
+                show_progress, label)
+    try:
+        spawn(fn, world, args=args, transport=transport, timeout=timeout, on_failure="continue")
+    except SpawnError as e:
+        if [rank for rank, _ in e.failures] != [world - 1]:
+            raise
+        logs = [log for log in e.results if log is not None]
+    else:
+        raise RuntimeError(f"{label}: worker rank {world - 1} was to die before step "
+                           f"{kill_step}, but it finished")
+    return sorted(logs, key=lambda log: log.params is None)
+
+
+def recovery_stall(logs: List[RankLog], step: int) -> float:
+    """How much longer ``step`` took than the run's median step, on the slowest survivor."""
+    worst = 0.0
+    for log in logs:
+        times = [0.0] + list(log.step_times)
+        durations = sorted(b - a for a, b in zip(times, times[1:]))
+        median = durations[len(durations) // 2]
+        worst = max(worst, times[step + 1] - times[step] - median)
+    return worst
+
+
+def failure_record(spec: RunSpec, baseline: Dict[str, object], logs: List[RankLog],
+                   dataset: Dataset, config: TrainConfig, kill_step: int) -> Dict[str, object]:
+    """One drill's record: steps lost, time to recover, accuracy against ``baseline`` (the same
+    spec's run without a failure), and the curves for failure.png (keys starting with '_')."""
+    killed = summarize(spec, logs, dataset, config)
+    recoveries = [r for log in logs for r in log.info.get("recoveries", ())]
+    resumed = min((r["resumed_at"] for r in recoveries), default=kill_step)
+    return {
+        "mode": spec.mode, "algorithm": spec.algorithm, "workers": spec.workers,
+        "servers": spec.servers, "staleness": spec.staleness, "kill_step": kill_step,
+        "survivors": spec.workers - 1, "resumed_at": resumed,
+        "steps_lost": max((r["steps_lost"] for r in recoveries), default=0),
+        "recover_s": recovery_stall(logs, resumed),
+        "test_accuracy_no_failure": baseline["test_accuracy"],
+        "test_accuracy": killed["test_accuracy"],
+        "accuracy_change_points": 100.0 * (killed["test_accuracy"]
+                                           - baseline["test_accuracy"]),
+        "_losses": killed["_losses"], "_baseline_losses": baseline["_losses"],
+    }
+
+
+def format_failure_table(failures: List[Dict[str, object]]) -> str:
+    """The failure drill's table: one row per distributed run."""
+    head = ("mode", "algorithm", "workers", "killed before step", "steps lost", "recover s",
+            "test acc (no failure)", "test acc (killed)", "change (points)")
+    rows = []
+    for f in failures:
+        rows.append((
+            f["mode"] if f["mode"] != "ps-ssp" else f"ps-ssp(k={f['staleness']})",
+            str(f["algorithm"] or "-"), f"{f['workers']} -> {f['survivors']}",
+            str(f["kill_step"]), str(f["steps_lost"]), f"{f['recover_s']:.3f}",
+            f"{f['test_accuracy_no_failure']:.3f}", f"{f['test_accuracy']:.3f}",
+            f"{f['accuracy_change_points']:+.1f}"))
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.rjust(w) if i >= 2 else c.ljust(w)
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+FAILURE_LEGEND = ("Legend: the last worker ends itself (os._exit) before the step named; "
+                  "allreduce runs train elastically (shrink, roll back to the last commit, the "
+                  "global batch re-sharded over the survivors), ps-sync drops the dead worker at "
+                  "the clock it held back, ps-async and ps-ssp drop it at once. steps lost: "
+                  "completed steps rolled back; recover s: how much longer the step training "
+                  "resumed at took than the run's median step (detection, shrink, lost work).")
+
+
+def build_failure_figure(failures: List[Dict[str, object]]):
+    """failure.png: loss with and without the failure per run, and the test accuracies.
+    Raises ImportError without matplotlib."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
+    for i, f in enumerate(failures):
+        color = f"C{i % 10}"
+        label = _failure_label(f)
+        base = _moving_average(f["_baseline_losses"], SMOOTHING)
+        killed = _moving_average(f["_losses"], SMOOTHING)
+        left.plot(range(1, len(base) + 1), base, color=color, linestyle=":", linewidth=1.0)
+        left.plot(range(1, len(killed) + 1), killed, color=color, linewidth=1.2, label=label)
+    left.axvline(failures[0]["kill_step"], color="red", linewidth=1, alpha=0.6)
+    left.set_yscale("log")
+    left.set_xlabel("step (red: a worker dies)")
+    left.set_ylabel(f"batch loss ({SMOOTHING}-step moving average)")
+    left.set_title("loss with the failure (solid) and without (dotted)")
+    left.grid(True, which="both", alpha=0.3)
+    left.legend(fontsize=7)
+    xs = range(len(failures))
+    right.bar([x - 0.2 for x in xs], [f["test_accuracy_no_failure"] for f in failures], 0.4,
+              color="tab:gray", label="no failure")
+    bars = right.bar([x + 0.2 for x in xs], [f["test_accuracy"] for f in failures], 0.4,
+                     color="tab:red", label="a worker killed")
+    for bar, f in zip(bars, failures):
+        right.annotate(f"lost {f['steps_lost']}\n{f['recover_s']:.2f} s",
+                       (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                       va="bottom", fontsize=7)
+    low = min(min(f["test_accuracy"], f["test_accuracy_no_failure"]) for f in failures)
+    right.set_ylim(max(0.0, low - 0.1), 1.04)
+    right.set_xticks(list(xs))
+    right.set_xticklabels([_failure_label(f) for f in failures], rotation=30, ha="right",
+                          fontsize=8)
+    right.set_ylabel("test accuracy")
+    right.set_title("test accuracy; above: steps lost, time to recover")
+    right.legend(fontsize=8, loc="lower right")
+    right.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"minicomm demo: one worker killed before step {failures[0]['kill_step']}")
+    fig.tight_layout()
+    return fig
+
+
+def _failure_label(f: Dict[str, object]) -> str:
+    if f["mode"] == "allreduce":
+        return f"elastic {f['algorithm']} ({f['workers']}w)"
+    return f"{f['mode']} ({f['workers']}w/{f['servers']}s)"
 
 
 def summarize(spec: RunSpec, logs: List[RankLog], dataset: Dataset,
@@ -421,11 +613,14 @@ def build_figures(results: List[Dict[str, object]]) -> Dict[str, object]:
     return figs
 
 
-def write_plots(results: List[Dict[str, object]], out_dir: str) -> List[str]:
-    """loss_vs_step.png, loss_vs_time.png, throughput.png in ``out_dir``; [] without
-    matplotlib."""
+def write_plots(results: List[Dict[str, object]], out_dir: str,
+                failures: Sequence[Dict[str, object]] = ()) -> List[str]:
+    """loss_vs_step.png, loss_vs_time.png, throughput.png (and failure.png when a failure drill
+    ran) in ``out_dir``; [] without matplotlib."""
     try:
         figs = build_figures(results)
+        if failures:
+            figs["failure.png"] = build_failure_figure(list(failures))
     except ImportError:
         return []
     import matplotlib.pyplot as plt
@@ -497,6 +692,9 @@ def add_arguments(p: argparse.ArgumentParser, modes: bool = True) -> None:
                    help=f"seed of the data split, the initial weights and the batches ({d.seed})")
     p.add_argument("--dataset", default="auto", choices=DATASETS,
                    help="digits (needs scikit-learn), synthetic, or auto (digits if available)")
+    p.add_argument("--kill-worker", type=int, default=None, metavar="STEP",
+                   help="failure drill: the last worker dies (os._exit) before step STEP; "
+                   "needs processes, so transport auto or inproc runs the drill on shm")
 
 
 def config_from_args(a) -> TrainConfig:
@@ -517,6 +715,12 @@ def run_demo(a, log=sys.stderr) -> Dict[str, object]:
                          f"{a.workers} (every worker takes an equal shard)")
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     specs = plan_runs(modes, a.workers, a.servers, a.staleness)
+    kill = getattr(a, "kill_worker", None)
+    if kill is not None:
+        check_kill_step(kill, config.steps, a.workers)
+        if drill_transport(a.transport) != a.transport:
+            print(f"minicomm demo: --kill-worker needs processes: the failure drill runs on shm "
+                  f"(not {a.transport})", file=log)
     skipped = []
     if any(s.mode.startswith("ps-") for s in specs) and not ps_available():
         skipped = [s.mode for s in specs if s.mode.startswith("ps-")]
@@ -536,15 +740,39 @@ def run_demo(a, log=sys.stderr) -> Dict[str, object]:
         logs = execute(spec, dataset, config, a.transport, show_progress=show,
                        chunk_bytes=a.chunk_bytes)
         results.append(summarize(spec, logs, dataset, config))
-    return {"dataset": dataset.name, "steps": config.steps, "runs": results, "skipped": skipped}
+    doc = {"dataset": dataset.name, "steps": config.steps, "runs": results, "skipped": skipped}
+    if kill is not None:
+        doc["failures"] = []
+        for spec, record in zip(specs, results):
+            if spec.mode != "single":
+                logs = execute_with_failure(spec, dataset, config, kill,
+                                            drill_transport(a.transport), show_progress=show,
+                                            chunk_bytes=a.chunk_bytes)
+                doc["failures"].append(failure_record(spec, record, logs, dataset, config,
+                                                      kill))
+    return doc
+
+
+def check_kill_step(kill_step: int, steps: int, workers: int) -> None:
+    """ValueError naming --kill-worker unless a worker can die at ``kill_step`` and leave one."""
+    if not 1 <= kill_step < steps:
+        raise ValueError(f"--kill-worker {kill_step} must be a step in 1..{steps - 1} "
+                         f"(--steps {steps})")
+    if workers < 2:
+        raise ValueError(f"--kill-worker needs at least 2 workers (--workers {workers}): a "
+                         f"survivor must go on")
 
 
 def public_json(doc: Dict[str, object]) -> Dict[str, object]:
     """The document without the plot curves (keys starting with '_'); a non-finite number (a
     diverged loss) becomes null, so the output is strict JSON."""
-    runs = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-             for k, v in r.items() if not k.startswith("_")} for r in doc["runs"]]
-    return {**doc, "runs": runs}
+    def public(records):
+        return [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                 for k, v in r.items() if not k.startswith("_")} for r in records]
+    out = {**doc, "runs": public(doc["runs"])}
+    if "failures" in doc:
+        out["failures"] = public(doc["failures"])
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -574,8 +802,13 @@ def main_from_args(a) -> int:
         print(line)
     if doc["skipped"]:
         print(f"(skipped: {', '.join(doc['skipped'])} — minicomm.ps is not importable)")
+    failures = doc.get("failures") or []
+    if failures:
+        print()
+        print(format_failure_table(failures))
+        print(FAILURE_LEGEND)
     if not a.no_plots:
-        paths = write_plots(results, a.out)
+        paths = write_plots(results, a.out, failures)
         if paths:
             print(f"plots: {', '.join(paths)}")
         else:

@@ -110,8 +110,16 @@ class DataParallel:
         for name, p in params.items():
             self.comm.broadcast(p, root=0, out=p)
 
-    def step(self, params: Params, x: np.ndarray, y: np.ndarray, lr: float) -> float:
+    def step(self, params: Params, x: np.ndarray, y: np.ndarray, lr: float,
+             weight: Optional[float] = None) -> float:
+        """One SGD step on this rank's shard ``x, y``; returns the shard's loss.
+
+        ``weight=None``: the ranks' gradients are averaged (equal shards). ``weight=w``: this
+        rank's mean gradient is scaled by w and the ranks' are summed (unequal shards: w = the
+        shard's share of the global batch, so the sum is the global batch's mean gradient).
+        """
         buckets = self.buckets
+        op = "avg" if weight is None else "sum"
         ready: Dict[str, np.ndarray] = {}
         works = []            # (bucket index, Work) in launch order
 
@@ -122,7 +130,9 @@ class DataParallel:
                     all(n in ready for n in buckets.buckets[len(works)]):
                 i = len(works)
                 flat = buckets.pack(i, ready)
-                works.append((i, self.comm.allreduce(flat, op="avg", out=flat,
+                if weight is not None:
+                    flat *= weight
+                works.append((i, self.comm.allreduce(flat, op=op, out=flat,
                                                      algorithm=self.algorithm, async_op=True)))
 
         loss, grads = self.model.loss_and_grads(params, x, y, on_layer=on_layer)

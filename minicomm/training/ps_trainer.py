@@ -17,6 +17,13 @@ global batch (``ShardedLoader(..., rank=i, world=W)``), computes its gradients, 
 After the last step every worker's final push has been applied (``push`` returns once the servers
 applied it); a barrier among the workers then lets the first worker pull the final parameters.
 
+``on_worker_failure="drop"``: a worker that dies is dropped by the servers (in sync mode at the
+clock it held back, which then averages the gradients that arrived: ``ps.start``), and the
+end-of-training barriers become fault-tolerant agreements (``comm.agree``) among the workers, so
+the survivors finish the configured steps and the lowest surviving worker pulls the final
+parameters. The default "fail" keeps the parameter server's own behaviour (sync: the others'
+calls raise ``PeerFailure``).
+
 Traffic per step per worker: it pushes every gradient and pulls every parameter, so it sends and
 receives the model's size in bytes; the servers together receive and send W times that, and a
 server holding a share m_s of the model carries W·m_s in each direction per step
@@ -27,7 +34,7 @@ from __future__ import annotations
 
 import importlib
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import numpy as np
 
@@ -49,10 +56,41 @@ def ps_available() -> bool:
 def train_ps(comm, dataset: Dataset, config: TrainConfig, num_servers: int = 2,
              staleness: Optional[int] = 0, chunk_bytes: int = 4 << 20,
              on_step: Optional[StepCallback] = None, return_params: Optional[bool] = None,
-             ps_module=None) -> Optional[RankLog]:
-    """Run on every rank of ``comm``: servers return None, workers their ``RankLog`` (the first
-    worker's carries the final parameters, or every worker's with ``return_params=True``).
-    ``ps_module`` replaces ``minicomm.ps`` (for tests of this trainer alone)."""
+             ps_module=None, on_worker_failure: str = "fail",
+             before_step: Optional[Callable[[int], None]] = None) -> Optional[RankLog]:
+    """Train through the parameter server on every rank of ``comm``.
+
+    Args:
+        comm (Communicator): Every rank of the job; ranks below ``num_servers`` serve.
+        dataset (Dataset): The data (the same on every rank).
+        config (TrainConfig): Steps, global batch, learning rate, model, seed.
+        num_servers (int): Server ranks, 1 <= num_servers < comm.size.
+        staleness (int | None): 0 sync (BSP), k > 0 bounded staleness (SSP), None async.
+        chunk_bytes (int): Arrays above this size are split across servers.
+        on_step (Callable | None): Called as ``on_step(step, loss)`` after every step.
+        return_params (bool | None): Every worker's log carries the final parameters (True),
+            or only the first (surviving) worker's (None).
+        ps_module (module | None): Replaces ``minicomm.ps`` (tests of this trainer alone).
+        on_worker_failure (str): "fail" or "drop" (module docstring): whether the surviving
+            workers finish when a worker dies.
+        before_step (Callable | None): Called as ``before_step(step)`` before every step (a
+            failure drill can end the process there).
+
+    Returns:
+        (RankLog | None): A worker's log; None on servers.
+
+    Raises:
+        ValueError: A bad num_servers, staleness or on_worker_failure.
+        PeerFailure: A worker died and ``on_worker_failure`` is "fail" (sync mode).
+
+    Examples:
+        >>> logs = mc.spawn(train_ps, 3, transport="shm",
+        ...                 args=(load_dataset("synthetic"), TrainConfig(steps=20), 1, 0))
+        >>> logs[0] is None, len(logs[1].losses)
+        (True, 20)
+    """
+    if on_worker_failure not in ("fail", "drop"):
+        raise ValueError(f"on_worker_failure={on_worker_failure!r}: choose fail or drop")
     if not isinstance(num_servers, int) or not 1 <= num_servers < comm.size:
         raise ValueError(f"num_servers={num_servers!r} must leave at least one worker among "
                          f"{comm.size} ranks")
@@ -65,12 +103,15 @@ def train_ps(comm, dataset: Dataset, config: TrainConfig, num_servers: int = 2,
     # workers need a communicator of their own for the end-of-training barrier.
     peers = comm.split(None if is_server else _WORKER_COLOR)
     try:
+        # only named when asked for: a stand-in ``ps_module`` may not know the option
+        options = {"on_worker_failure": "drop"} if on_worker_failure == "drop" else {}
         kv = ps.start(comm, num_servers=num_servers, staleness=staleness,
-                      optimizer=ps.SGD(lr=config.lr), chunk_bytes=chunk_bytes)
+                      optimizer=ps.SGD(lr=config.lr), chunk_bytes=chunk_bytes, **options)
         if kv is None:
             return None
         return _work(ps, kv, peers, dataset, config, num_servers, num_workers,
-                     comm.rank - num_servers, chunk_bytes, on_step, return_params)
+                     comm.rank - num_servers, chunk_bytes, on_step, return_params,
+                     on_worker_failure == "drop", before_step)
     finally:
         if peers is not None:
             peers.close()
@@ -90,8 +131,19 @@ def server_shares(ps, params, num_servers: int, chunk_bytes: int) -> List[int]:
             for s in range(num_servers)]
 
 
+def _workers_done(peers, tolerant: bool) -> int:
+    """A barrier among the workers; returns the lowest live worker. ``tolerant``: an
+    agreement, which also completes when workers have died (they are left out)."""
+    if not tolerant:
+        peers.barrier()
+        return 0
+    peers.agree(True)
+    failed = set(peers.failed_ranks(agreed=True))
+    return min(r for r in range(peers.size) if r not in failed)
+
+
 def _work(ps, kv, peers, dataset, config, num_servers, num_workers, worker, chunk_bytes,
-          on_step, return_params) -> RankLog:
+          on_step, return_params, tolerant=False, before_step=None) -> RankLog:
     model = config.model(dataset)
     names = model.param_names()
     try:
@@ -106,6 +158,8 @@ def _work(ps, kv, peers, dataset, config, num_servers, num_workers, worker, chun
         peers.barrier()                      # everyone starts the clock together
         start = time.perf_counter()
         for step in range(config.steps):
+            if before_step is not None:
+                before_step(step)
             x, y = loader.batch(step)
             loss, grads = model.loss_and_grads(params, x, y)
             if step + 1 < config.steps:
@@ -116,11 +170,11 @@ def _work(ps, kv, peers, dataset, config, num_servers, num_workers, worker, chun
             log.step_times.append(time.perf_counter() - start)
             if on_step is not None:
                 on_step(step, loss)
-        peers.barrier()                      # every worker's last push is applied
+        reporter = _workers_done(peers, tolerant)      # every worker's last push is applied
         log.wall_s = time.perf_counter() - start
-        if return_params or (return_params is None and worker == 0):
+        if return_params or (return_params is None and worker == reporter):
             log.params = kv.pull(names)
-        peers.barrier()                      # nobody closes while worker 0 still pulls
+        _workers_done(peers, tolerant)       # nobody closes while the reporter still pulls
     finally:
         kv.close()
     return log
