@@ -74,6 +74,27 @@ def _num_servers(num_servers, size: int) -> int:
     return num_servers
 
 
+def _check_options(checkpoint_dir, checkpoint_every, resume, run_id, chunk_bytes,
+                   on_worker_failure) -> None:
+    """ValueError naming the first bad option of ``start``."""
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) \
+            or checkpoint_every < 0:
+        raise ValueError(f"ps.start: checkpoint_every must be an int >= 0, "
+                         f"got {checkpoint_every!r}")
+    if (checkpoint_every or resume or run_id is not None) and checkpoint_dir is None:
+        raise ValueError("ps.start: checkpoint_every, resume and run_id need a checkpoint_dir")
+    if run_id is not None:
+        try:
+            check_run_id(run_id)
+        except ValueError as e:
+            raise ValueError(f"ps.start: {e}") from None
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 8:
+        raise ValueError(f"ps.start: chunk_bytes must be an int >= 8, got {chunk_bytes!r}")
+    if on_worker_failure not in ON_WORKER_FAILURE:
+        raise ValueError(f"ps.start: on_worker_failure must be one of "
+                         f"{', '.join(ON_WORKER_FAILURE)}, got {on_worker_failure!r}")
+
+
 def start(comm, num_servers: Optional[int] = None, staleness: Optional[int] = 0,
           optimizer: Optional[Optimizer] = None, checkpoint_dir=None, checkpoint_every: int = 0,
           resume: bool = False, chunk_bytes: int = 4 << 20,
@@ -147,22 +168,8 @@ def start(comm, num_servers: Optional[int] = None, staleness: Optional[int] = 0,
     if not isinstance(optimizer, Optimizer):
         raise TypeError(f"ps.start: optimizer must be a ps.Optimizer (ps.SGD, ps.Adam), "
                         f"got {type(optimizer).__name__}")
-    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) \
-            or checkpoint_every < 0:
-        raise ValueError(f"ps.start: checkpoint_every must be an int >= 0, "
-                         f"got {checkpoint_every!r}")
-    if (checkpoint_every or resume or run_id is not None) and checkpoint_dir is None:
-        raise ValueError("ps.start: checkpoint_every, resume and run_id need a checkpoint_dir")
-    if run_id is not None:
-        try:
-            check_run_id(run_id)
-        except ValueError as e:
-            raise ValueError(f"ps.start: {e}") from None
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 8:
-        raise ValueError(f"ps.start: chunk_bytes must be an int >= 8, got {chunk_bytes!r}")
-    if on_worker_failure not in ON_WORKER_FAILURE:
-        raise ValueError(f"ps.start: on_worker_failure must be one of "
-                         f"{', '.join(ON_WORKER_FAILURE)}, got {on_worker_failure!r}")
+    _check_options(checkpoint_dir, checkpoint_every, resume, run_id, chunk_bytes,
+                   on_worker_failure)
     checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
     # A private communicator: the servers' ANY_SOURCE receives and the PS tags never meet the
     # caller's own point-to-point traffic, and the caller may keep using comm in another thread.

@@ -371,7 +371,7 @@ def build_failure_figure(failures: List[Dict[str, object]]):
                           fontsize=8)
     right.set_ylabel("test accuracy")
     right.set_title("test accuracy; above: steps lost, time to recover")
-    right.legend(fontsize=8, loc="lower right")
+    right.legend(fontsize=8, loc="upper left")
     right.grid(True, axis="y", alpha=0.3)
     fig.suptitle(f"minicomm demo: one worker killed before step {failures[0]['kill_step']}")
     fig.tight_layout()
@@ -705,8 +705,10 @@ def config_from_args(a) -> TrainConfig:
     return TrainConfig(hidden=hidden, steps=a.steps, global_batch=a.batch, lr=a.lr, seed=a.seed)
 
 
-def run_demo(a, log=sys.stderr) -> Dict[str, object]:
-    """Everything ``minicomm demo`` does except printing; returns the JSON document."""
+def run_demo(a, log=None) -> Dict[str, object]:
+    """Everything ``minicomm demo`` does except printing; returns the JSON document. Notes go
+    to ``log`` (default: stderr as it is at the call)."""
+    log = sys.stderr if log is None else log
     config = config_from_args(a)
     if a.workers < 1 or a.servers < 1:
         raise ValueError("--workers and --servers must be >= 1")
