@@ -127,6 +127,40 @@ def test_revoke_wakes_every_blocked_rank_with_revoked(transport):
                    ("Revoked", "Revoked", 3, 5)]
 
 
+@pytest.mark.parametrize("transport", ["inproc"] + PROCESS_TRANSPORTS)
+def test_shrink_does_not_break_a_call_the_shrinker_has_done(transport):
+    """Rank 0 ends a chain broadcast (0 -> 1 -> 2) and shrinks at once; rank 2 waits in that
+    broadcast on rank 1, which comes late. Rank 0 did its part: rank 2's broadcast completes
+    (shrink's notice wakes only calls the shrinker has not done), then all three shrink."""
+    import time
+
+    def prog(comm):
+        if comm.rank == 1:
+            time.sleep(0.5)           # the scenario: rank 2 waits on rank 1, rank 0 has shrunk
+        b = comm.broadcast(np.full(50_000, float(comm.rank)), root=0, algorithm="ring")[:3]
+        new = comm.shrink()
+        return b.tolist(), new.size, _check_collectives(new)
+
+    for _ in range(3):                # the race needs rank 2 blocked when the notice arrives
+        got = mc.spawn(prog, 3, transport=transport, timeout=TIMEOUT)
+        assert got == [([0.0] * 3, 3, 5)] * 3
+
+
+def test_a_shrink_notice_breaks_only_calls_the_shrinker_has_not_done():
+    """The rule behind the test above, on the notice itself: a shrinker that did calls up to #7
+    sends count 8; a peer's call #7 goes on, its call #8 (or a point-to-point wait) raises."""
+    from minicomm.transports.base import ABORT_CALL, ABORT_KINDS, Tag, check_foreign
+    shrink = Tag(4, -1, ABORT_KINDS.index("Shrink"), ABORT_CALL, 8)
+    revoke = Tag(4, -1, ABORT_KINDS.index("Revoked"), ABORT_CALL, 8)
+    collective = 2195969                          # a broadcast's call code (call & 31 != 0)
+    check_foreign(0, Tag(4, 7, 0, collective, 1000), shrink)      # done by rank 0: goes on
+    for expected, notice in ((Tag(4, 8, 0, collective, 1000), shrink),
+                             (Tag(4, 7, 0, collective, 1000), revoke),
+                             (Tag(4, 7, 0, 32, 1000), shrink)):   # point-to-point (call & 31 == 0)
+        with pytest.raises(mc.errors.Revoked, match="rank 0"):
+            check_foreign(0, expected, notice)
+
+
 # ---------------------------------------------------------------------------------- deaths
 def _die_at_call(comm, victim, at, path, calls=8):
     """Allreduces; ``victim`` dies before call ``at``; the survivors shrink after their error,

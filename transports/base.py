@@ -71,7 +71,9 @@ ReduceFn = Callable[[np.ndarray, np.ndarray], None]
 
 
 ABORT_CALL = -7                 # Tag.call of an abort notice; Tag.step is one of ABORT_KINDS
-ABORT_KINDS = ("MismatchError", "CommTimeout", "PeerFailure", "CommError", "Revoked")
+# "Shrink": a Revoked sent by a rank between calls (shrink); ``count`` is the first call it
+# has not done, so a peer's earlier call, which it did its part of, may still complete
+ABORT_KINDS = ("MismatchError", "CommTimeout", "PeerFailure", "CommError", "Revoked", "Shrink")
 CLEAN_CLOSE = "it closed its transport"   # a link's reason starts so when its peer finished
 # the start of the reason of a link ended by ``exclude_peer`` (an agreement fenced that rank): a
 # live rank that reads it on a link knows the others decided it failed
@@ -393,10 +395,13 @@ def check_tag(peer: int, expected: Tag, got: Tag, exp_nbytes: int, got_nbytes: i
     from minicomm.errors import MismatchError, describe_call
     if got.call == ABORT_CALL:
         kind = ABORT_KINDS[got.step] if 0 <= got.step < len(ABORT_KINDS) else "CommError"
-        cls = {"MismatchError": MismatchError, "Revoked": errors.Revoked}.get(
-            kind, errors.PeerFailure)
-        err = cls(f"rank {peer} broke this communicator at its call #{got.count} with a {kind} "
-                  f"(its own error names the cause); this rank was in call #{expected.seq} "
+        cls = {"MismatchError": MismatchError, "Revoked": errors.Revoked,
+               "Shrink": errors.Revoked}.get(kind, errors.PeerFailure)
+        broke = (f"revoked this communicator to shrink it, before its call #{got.count}"
+                 if kind == "Shrink" else
+                 f"broke this communicator at its call #{got.count} with a {kind} (its own "
+                 f"error names the cause)")
+        err = cls(f"rank {peer} {broke}; this rank was in call #{expected.seq} "
                   f"({describe_call(expected)})")
         # the notifier is alive: it names no failed peer (the failed set is link state)
         err.peer, err.notice = None, True
@@ -425,7 +430,8 @@ def check_foreign(peer: int, expected: Tag, got: Tag) -> None:
 
     Point-to-point waits (any tag may be queued) raise only for an abort notice of their context:
     the peer broke the communicator, so no receive of it can be trusted to end. A ``Revoked``
-    notice raises whatever call the revoker was in."""
+    notice raises whatever call the revoker was in; a ``Shrink`` notice only calls from its
+    ``count`` on (the shrinker did the earlier ones)."""
     if got.comm != expected.comm:
         return
     if got.call == ABORT_CALL:

@@ -119,8 +119,8 @@ class FaultTolerance:
     def shrink(self, timeout: Optional[float] = None):
         """The communicator of the survivors, ranks renumbered in their old order.
 
-        Revokes this communicator, agrees on the failed ranks, and builds the new one on the
-        same links (no reconnection). Every survivor calls it, after any error (``PeerFailure``,
+        Revokes this communicator (a call this rank has done still completes on the others),
+        agrees on the failed ranks, and builds the new one on the same links (no reconnection). Every survivor calls it, after any error (``PeerFailure``,
         ``CommTimeout``, ``Revoked``) in any call, or none. A shrunk world shares the world's
         transport: closing either closes it (the launcher closes the world at the end).
 
@@ -143,7 +143,9 @@ class FaultTolerance:
             (2, array([2., 2.]))
         """
         if not self._closed and self._broken is None:
-            self.revoke()
+            self._stop_worker()       # this rank's calls end first: its notice claims them done
+            self._break(Revoked(f"rank {self.rank} revoked the communicator to shrink it"),
+                        shrinking=True)
         self._stop_worker()
         _, failed, new_id = self._agreement(True, timeout, "shrink")
         survivors = [r for r in range(self.size) if r not in failed]
@@ -156,132 +158,17 @@ class FaultTolerance:
         if self._closed:
             raise CommError(f"{what}: communicator is closed")
         limit = timeout_arg("timeout", timeout) or self.timeout
-        n, me, t = self.size, self.rank, self.transport
         self._agreement_no += 1
         ctx = self._agreement_no << 40 | self.comm_id << 2 | FT
-        width = _HEAD + 2 * n
-        tag = Tag(ctx, 0, 0, FT_CALL, width)
         what = f"{what} (agreement #{self._agreement_no} of communicator {self.comm_id})"
-        failed: Set[int] = self._known_dead()
-        accepted: Tuple[int, Optional[Decision]] = (-1, None)
-        reports = {}                  # rank -> (flag, failed set, accepted)
-        acks: Set[int] = set()
-        proposal: Optional[Decision] = None
-        recvs = {}                    # rank -> (request, buffer)
-        sends: list = []
-        counts = {REPORT: 0, PROPOSE: 0, ACK: 0, COMMIT: 0}
-        reported_to, promise = -1, -1
-        hook = TEST_HOOKS.get("ft_send")
-
-        def post(r):
-            buf = np.empty(width, dtype=np.int64)
-            recvs[r] = (t.irecv(self.group[r], buf, tag), buf)
-
-        def send(r, kind, ballot, dec: Optional[Decision], acc=(-1, None), flags=()):
-            if hook is not None:
-                hook(kind, counts[kind])
-            counts[kind] += 1
-            msg = np.zeros(width, dtype=np.int64)
-            msg[0], msg[1] = kind, ballot
-            if dec is not None:
-                msg[2], msg[3] = dec[0], dec[2]
-                msg[[_HEAD + i for i in dec[1]]] = 1
-            if acc[1] is not None:
-                msg[4], msg[5], msg[6] = acc[0], acc[1][0], acc[1][2]
-                msg[[_HEAD + n + i for i in acc[1][1]]] = 1
-            else:
-                msg[4] = -1
-            if flags:
-                msg[[_HEAD + i for i in flags]] = 1
-            try:
-                sends.append(t.isend(self.group[r], msg, tag))
-            except (PeerFailure, OSError):
-                failed.add(r)         # that link is gone
-
-        def decode(msg) -> Tuple[int, int, Decision, Tuple[int, Optional[Decision]]]:
-            fset = frozenset(int(i) for i in np.flatnonzero(msg[_HEAD:_HEAD + n]))
-            aset = frozenset(int(i) for i in np.flatnonzero(msg[_HEAD + n:]))
-            acc = (int(msg[4]), (bool(msg[5]), aset, int(msg[6])) if msg[4] >= 0 else None)
-            return int(msg[0]), int(msg[1]), (bool(msg[2]), fset, int(msg[3])), acc
-
-        def decide(dec: Decision) -> Decision:
-            for r in range(n):
-                if r != me and r not in dec[1]:
-                    send(r, COMMIT, -1, dec)
-            return dec
-
-        for r in range(n):
-            if r != me and r not in failed:
-                post(r)
-        deadline = time.monotonic() + limit
-        decision: Optional[Decision] = None
-        coordinator = -1
+        run = _Agreement(self, ctx, flag, what)
         try:
-            while decision is None:
-                c = min(r for r in range(n) if r not in failed)
-                if c != coordinator:
-                    coordinator = c
-                    deadline = time.monotonic() + limit       # each coordinator gets the timeout
-                if c == me:
-                    promise = me
-                    if proposal is None and all(r in reports for r in range(n)
-                                                if r not in failed and r != me):
-                        reports[me] = (flag, frozenset(failed), accepted)
-                        best = max((rep[2] for rep in reports.values()), key=lambda a: a[0])
-                        if best[1] is not None:
-                            proposal = best[1]
-                        else:
-                            value = all(reports[r][0] for r in reports if r not in failed)
-                            new_id = ((self.group[me] + 1) * SPLIT_BASE
-                                      + next(id_counter) % SPLIT_BASE)
-                            proposal = (value, frozenset(failed), new_id)
-                        accepted, acks = (me, proposal), {me}
-                        for r in range(n):
-                            if r != me and r not in failed:
-                                send(r, PROPOSE, me, proposal)
-                    if proposal is not None and all(r in acks for r in range(n)
-                                                    if r not in failed):
-                        decision = decide(proposal)
-                        break
-                elif reported_to != c:
-                    reported_to, promise = c, max(promise, c)
-                    send(c, REPORT, c, (flag, frozenset(), 0), accepted, flags=failed)
-                    if c in failed:
-                        continue
-                waiting = [req for req, _ in recvs.values()]
-                if not waiting:
-                    continue
-                try:
-                    t.wait_any(waiting, deadline, what)
-                except PeerFailure as e:
-                    r = self._rank_of(e.peer)
-                    if r is None or r not in recvs:
-                        raise
-                    failed.add(r)
-                    del recvs[r]
-                    continue
-                for r, (req, buf) in list(recvs.items()):
-                    if not req.done:
-                        continue
-                    kind, ballot, dec, acc = decode(buf)
-                    post(r)
-                    if kind == REPORT:
-                        # a rank's failed set is of dead ranks only (links end only by death)
-                        failed.update(x for x in dec[1] if x != me)
-                        reports[r] = (dec[0], dec[1], acc)
-                    elif kind == PROPOSE and ballot >= promise:
-                        promise, accepted = ballot, (ballot, dec)
-                        send(r, ACK, ballot, None)
-                    elif kind == ACK and ballot == me and proposal is not None:
-                        acks.add(r)
-                    elif kind == COMMIT:
-                        decision = decide(dec)
-                        break
-            self._finish_sends(sends, what)
+            decision = run.decide(limit)
+            self._finish_sends(run.sends, what)
         finally:
-            t.cancel_context(ctx, CommError(f"{what} is over"))
+            self.transport.cancel_context(ctx, CommError(f"{what} is over"))
         self._agreed_failed = set(decision[1])
-        self._seen_dead |= failed | set(decision[1])
+        self._seen_dead |= run.failed | set(decision[1])
         return decision
 
     def _finish_sends(self, sends, what: str) -> None:
@@ -303,3 +190,142 @@ class FaultTolerance:
 
     def _rank_of(self, world: Optional[int]) -> Optional[int]:
         return self.group.index(world) if world in self.group else None
+
+
+class _Agreement:
+    """One agreement on one rank (module doc): its messages, the Paxos state, the loop."""
+
+    def __init__(self, comm, ctx: int, flag: bool, what: str):
+        self.comm, self.t, self.flag, self.what = comm, comm.transport, flag, what
+        self.n, self.me = comm.size, comm.rank
+        self.width = _HEAD + 2 * self.n
+        self.tag = Tag(ctx, 0, 0, FT_CALL, self.width)
+        self.failed: Set[int] = comm._known_dead()
+        self.accepted: Tuple[int, Optional[Decision]] = (-1, None)
+        self.reports: dict = {}       # rank -> (flag, failed set, accepted)
+        self.acks: Set[int] = set()
+        self.proposal: Optional[Decision] = None
+        self.recvs: dict = {}         # rank -> (request, buffer)
+        self.sends: list = []
+        self.counts = {REPORT: 0, PROPOSE: 0, ACK: 0, COMMIT: 0}
+        self.reported_to, self.promise = -1, -1
+        self.hook = TEST_HOOKS.get("ft_send")
+
+    # --- messages: kind, ballot, a decision, an accepted (ballot, decision), a rank set
+    def post(self, r: int) -> None:
+        buf = np.empty(self.width, dtype=np.int64)
+        self.recvs[r] = (self.t.irecv(self.comm.group[r], buf, self.tag), buf)
+
+    def send(self, r: int, kind: int, ballot: int, dec: Optional[Decision],
+             acc=(-1, None), flags=()) -> None:
+        if self.hook is not None:
+            self.hook(kind, self.counts[kind])
+        self.counts[kind] += 1
+        n, msg = self.n, np.zeros(self.width, dtype=np.int64)
+        msg[0], msg[1] = kind, ballot
+        if dec is not None:
+            msg[2], msg[3] = dec[0], dec[2]
+            msg[[_HEAD + i for i in dec[1]]] = 1
+        if acc[1] is not None:
+            msg[4], msg[5], msg[6] = acc[0], acc[1][0], acc[1][2]
+            msg[[_HEAD + n + i for i in acc[1][1]]] = 1
+        else:
+            msg[4] = -1
+        if flags:
+            msg[[_HEAD + i for i in flags]] = 1
+        try:
+            self.sends.append(self.t.isend(self.comm.group[r], msg, self.tag))
+        except (PeerFailure, OSError):
+            self.failed.add(r)        # that link is gone
+
+    def decode(self, msg) -> Tuple[int, int, Decision, Tuple[int, Optional[Decision]]]:
+        n = self.n
+        fset = frozenset(int(i) for i in np.flatnonzero(msg[_HEAD:_HEAD + n]))
+        aset = frozenset(int(i) for i in np.flatnonzero(msg[_HEAD + n:]))
+        acc = (int(msg[4]), (bool(msg[5]), aset, int(msg[6])) if msg[4] >= 0 else None)
+        return int(msg[0]), int(msg[1]), (bool(msg[2]), fset, int(msg[3])), acc
+
+    def commit(self, dec: Decision) -> Decision:
+        """Relay the decision to every survivor (a coordinator that dies after one COMMIT)."""
+        for r in range(self.n):
+            if r != self.me and r not in dec[1]:
+                self.send(r, COMMIT, -1, dec)
+        return dec
+
+    def live(self, but: int = -1) -> List[int]:
+        return [r for r in range(self.n) if r not in self.failed and r != but]
+
+    # --- the loop
+    def decide(self, limit: float) -> Decision:
+        for r in self.live(but=self.me):
+            self.post(r)
+        deadline, coordinator = time.monotonic() + limit, -1
+        while True:
+            c = min(self.live())
+            if c != coordinator:
+                coordinator = c
+                deadline = time.monotonic() + limit       # each coordinator gets the timeout
+            if c == self.me:
+                decision = self.coordinate()
+                if decision is not None:
+                    return decision
+            elif self.reported_to != c:
+                self.reported_to, self.promise = c, max(self.promise, c)
+                self.send(c, REPORT, c, (self.flag, frozenset(), 0), self.accepted,
+                          flags=self.failed)
+                if c in self.failed:
+                    continue
+            if not self.recvs:
+                continue
+            decision = self.receive(deadline)
+            if decision is not None:
+                return decision
+
+    def coordinate(self) -> Optional[Decision]:
+        """As coordinator: propose once every live rank reported, commit once all acked."""
+        me = self.promise = self.me
+        if self.proposal is None and all(r in self.reports for r in self.live(but=me)):
+            self.reports[me] = (self.flag, frozenset(self.failed), self.accepted)
+            best = max((rep[2] for rep in self.reports.values()), key=lambda a: a[0])
+            if best[1] is not None:
+                self.proposal = best[1]
+            else:
+                value = all(self.reports[r][0] for r in self.reports if r not in self.failed)
+                new_id = ((self.comm.group[me] + 1) * SPLIT_BASE
+                          + next(id_counter) % SPLIT_BASE)
+                self.proposal = (value, frozenset(self.failed), new_id)
+            self.accepted, self.acks = (me, self.proposal), {me}
+            for r in self.live(but=me):
+                self.send(r, PROPOSE, me, self.proposal)
+        if self.proposal is not None and all(r in self.acks for r in self.live()):
+            return self.commit(self.proposal)
+        return None
+
+    def receive(self, deadline: float) -> Optional[Decision]:
+        """Wait for a message or a death; handle what arrived; a COMMIT decides."""
+        try:
+            self.t.wait_any([req for req, _ in self.recvs.values()], deadline, self.what)
+        except PeerFailure as e:
+            r = self.comm._rank_of(e.peer)
+            if r is None or r not in self.recvs:
+                raise
+            self.failed.add(r)
+            del self.recvs[r]
+            return None
+        for r, (req, buf) in list(self.recvs.items()):
+            if not req.done:
+                continue
+            kind, ballot, dec, acc = self.decode(buf)
+            self.post(r)
+            if kind == REPORT:
+                # a rank's failed set is of dead ranks only (links end only by death)
+                self.failed.update(x for x in dec[1] if x != self.me)
+                self.reports[r] = (dec[0], dec[1], acc)
+            elif kind == PROPOSE and ballot >= self.promise:
+                self.promise, self.accepted = ballot, (ballot, dec)
+                self.send(r, ACK, ballot, None)
+            elif kind == ACK and ballot == self.me and self.proposal is not None:
+                self.acks.add(r)
+            elif kind == COMMIT:
+                return self.commit(dec)
+        return None

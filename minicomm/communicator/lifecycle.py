@@ -236,14 +236,17 @@ class Lifecycle:
             raise CommError(f"{what}: communicator is closed")
 
     # ------------------------------------------------------------------ errors
-    def _break(self, error: BaseException) -> None:
+    def _break(self, error: BaseException, shrinking: bool = False) -> None:
         """The first error of a collective is final (as in Gloo and NCCL): tell the peers, drop
-        this communicator's posted and queued messages, and fail whatever is queued."""
+        this communicator's posted and queued messages, and fail whatever is queued.
+        ``shrinking``: a Revoked from ``shrink`` between calls, whose notice leaves the peers'
+        calls up to this rank's last one to complete (base.ABORT_KINDS)."""
         if self._broken is not None:
             return
         self._broken = error
-        kind = type(error).__name__
+        kind = "Shrink" if shrinking else type(error).__name__
         step = ABORT_KINDS.index(kind) if kind in ABORT_KINDS else ABORT_KINDS.index("CommError")
+        count = self._seq + 1 if shrinking else self._seq
         notice = np.empty(0, dtype=np.uint8)
         skip = getattr(error, "peer", None)
         # a revoke also reaches members blocked in point-to-point calls of this communicator
@@ -253,7 +256,7 @@ class Lifecycle:
                 continue
             for ctx in contexts:
                 try:
-                    self.transport.isend(peer, notice, Tag(ctx, -1, step, ABORT_CALL, self._seq))
+                    self.transport.isend(peer, notice, Tag(ctx, -1, step, ABORT_CALL, count))
                 except (CommError, OSError, ValueError):
                     pass              # that link is gone: its peer learns of it anyway
         cls = Revoked if isinstance(error, Revoked) else CommError
