@@ -507,10 +507,8 @@ class Window:
         t, ch = self._begin(target, "fetch_and_op")
         # The hot case (a counter, a ticket): a shm target of a common dtype, a Python number
         # in its range, op sum -- one critical section on a word view of the target.
-        words = self._words[t]
-        if words is not None and op == "sum" and type(value) in self._word_types \
-                and self._lo <= value <= self._hi and type(offset) is int \
-                and 0 <= offset < self._counts[t]:
+        words = self._hot_words(t, offset, (value,), self._word_types) if op == "sum" else None
+        if words is not None:
             m = ch.mutex
             m.acquire()
             try:
@@ -526,6 +524,18 @@ class Window:
         src = self._value(value, "fetch_and_op")
         boff = self._span(t, offset, 1, "fetch_and_op")
         return self._rmw(t, ch, boff, src, op, True)[0]
+
+    def _hot_words(self, t: int, offset, values, types):
+        """The target's word view when the atomics' hot case applies (a mapped target of a
+        common dtype, Python numbers of ``types`` in its range, an int offset inside), else
+        None."""
+        words = self._words[t]
+        if words is None or type(offset) is not int or not 0 <= offset < self._counts[t]:
+            return None
+        for v in values:
+            if type(v) not in types or not self._lo <= v <= self._hi:
+                return None
+        return words
 
     def compare_and_swap(self, value, compare, target: int, offset: int = 0):
         """Write ``value`` into one element of the target's window if it equals ``compare``.
@@ -562,10 +572,8 @@ class Window:
             raise TypeError(f"win.compare_and_swap needs an integer or bool window (as MPI), "
                             f"this one holds {self.dtype}")
         # the hot case, as fetch_and_op's: an integer shm target, Python ints in its range
-        words = self._words[t]
-        if words is not None and type(value) is int and type(compare) is int \
-                and self._lo <= value <= self._hi and self._lo <= compare <= self._hi \
-                and type(offset) is int and 0 <= offset < self._counts[t]:
+        words = self._hot_words(t, offset, (value, compare), (int,))
+        if words is not None:
             m = ch.mutex
             m.acquire()
             try:

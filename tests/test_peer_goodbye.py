@@ -44,6 +44,20 @@ def _finished_peer_error(comm, peer):
     return ["received a message"]
 
 
+def _barrier_then_late_send(comm, sub):
+    """Ranks 0 and 1: rank 1 enters their barrier late (rank 0 waits in it meanwhile), then,
+    after rank 2 has gone, sends to rank 0 once."""
+    if comm.rank == 1:
+        time.sleep(1.0)               # the scenario's order: rank 0 waits in the barrier
+    sub.barrier()
+    if comm.rank == 1:
+        time.sleep(0.5)
+        try:
+            comm.send(np.array([1.0]), 0)
+        except mc.PeerFailure:
+            pass                      # rank 0 gave up already: its result says why
+
+
 def _reproducer(comm):
     """The issue's smallest reproducer: rank 2 sends and returns while ranks 0 and 1 sit in a
     barrier of their subcommunicator; rank 0 then receives from any source twice."""
@@ -52,15 +66,8 @@ def _reproducer(comm):
     if rank == 2:
         comm.send(np.array([2.0]), 0)
         return None
+    _barrier_then_late_send(comm, sub)
     if rank == 1:
-        time.sleep(1.0)               # rank 0 waits in the barrier meanwhile
-    sub.barrier()
-    if rank == 1:
-        time.sleep(0.5)
-        try:
-            comm.send(np.array([1.0]), 0)
-        except mc.PeerFailure:
-            pass                      # rank 0 gave up already: its result says why
         return None
     got = []
     for _ in range(2):
@@ -88,15 +95,8 @@ def _crash(comm, out_dir):
     if rank == 2:
         comm.send(np.array([2.0]), 0)
         os._exit(3)                   # a crash: its links end without a goodbye
+    _barrier_then_late_send(comm, sub)
     if rank == 1:
-        time.sleep(1.0)
-    sub.barrier()
-    if rank == 1:
-        time.sleep(0.5)
-        try:
-            comm.send(np.array([1.0]), 0)
-        except mc.PeerFailure:
-            pass                      # rank 0 gave up already: its result says why
         return None
     events = []
     while sum(e[0] == "msg" for e in events) < 2 and len(events) < 4:

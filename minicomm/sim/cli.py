@@ -512,6 +512,42 @@ def why(row: dict, price, topo: Topology, model: float) -> str:
     return text
 
 
+def _winner_at_size(topo: Topology, model: float, n: int, algos) -> tuple:
+    """(model size, the winner with no extra machines, its time, a colocated PS's time)."""
+    rows = _step_rows(topo, model, ps_model.price_step(topo, model, [n], algos, colocated=True))
+    hw = min((r for r in rows if r["architecture"] != "ps"), key=lambda r: r["time_s"])
+    ps_n = next(r for r in rows if r["architecture"] == "ps")
+    return model, hw["algorithm"], hw["time_s"], ps_n["time_s"]
+
+
+def _advice_summary(topo: Topology, model: float, best, second, margin, ps_rows) -> str:
+    """The one-sentence answer: the winner, its margin, and what extra server machines would do."""
+    summary = (f"Summary: for {format_size(model, size_units(model))} of gradients per step on "
+               f"{topo.endpoints} accelerators ({_n(topo.servers, 'server')}), use "
+               f"{best['algorithm']}: {format_time(best['time_s'])} per step"
+               + ((f", {margin:.2f}x faster than {second['algorithm']}" if margin >= 1.02 else
+                   f", tied with {second['algorithm']} ({margin:.3f}x)") if second else ""))
+    if ps_rows:
+        fastest = min(ps_rows, key=lambda r: r["time_s"])
+        if fastest["time_s"] < best["time_s"]:
+            summary += (f"; with {_n(fastest['servers'], 'extra server machine')} "
+                        f"{fastest['algorithm']} takes {format_time(fastest['time_s'])}")
+    return summary + "."
+
+
+def _server_crossover_line(best, ps_rows, k_star: float, k_sim, symbols: str) -> str:
+    """Where a separate PS starts to beat the winner: closed form, then the simulated first k."""
+    if not (math.isfinite(k_star) and k_star > 0):
+        return (f"server-count crossover: none — t_intra + M/B (one worker's push) already "
+                f"exceeds t, where {symbols}")
+    ks = [r["servers"] for r in ps_rows]
+    return (f"server-count crossover: a separate PS beats {best['algorithm']} from "
+            f"k = n M / (B (t - t_intra)) = {k_star:.1f} server machines, where {symbols} "
+            f"(closed form); "
+            + (f"simulated: k = {k_sim} is the first of {ks} that does" if k_sim else
+               f"simulated: none of k = {ks} does"))
+
+
 def _advise(a, topo: Topology) -> int:
     """The seed's selection question, computed: on these accelerators, allreduce (each family) or
     a parameter server (colocated: no extra machines; or k extra server machines) for one step's
@@ -538,12 +574,7 @@ def _advise(a, topo: Topology) -> int:
     k_star = ps_model.crossover_servers(n, machine_bw, model, best["time_s"] - intra)
     # the answer against model size (same hardware; and with n extra server machines)
     sweep_models = [model * f for f in (1e-6, 1e-4, 1e-2, 1.0)]
-    by_size = []
-    for m in sweep_models:
-        pr = _step_rows(topo, m, ps_model.price_step(topo, m, [n], algos, colocated=True))
-        hw = min((r for r in pr if r["architecture"] != "ps"), key=lambda r: r["time_s"])
-        ps_n = next(r for r in pr if r["architecture"] == "ps")
-        by_size.append((m, hw["algorithm"], hw["time_s"], ps_n["time_s"]))
+    by_size = [_winner_at_size(topo, m, n, algos) for m in sweep_models]
     size_cx = [f"{w0} -> {w1} between {format_size(m0, u)} and {format_size(m1, u)}"
                for (m0, w0, _, _), (m1, w1, _, _) in zip(by_size, by_size[1:]) if w0 != w1]
     # why the winner wins, and why the runner-up and the best of the other kind do not
@@ -553,17 +584,7 @@ def _advise(a, topo: Topology) -> int:
         if r not in [x for x, _ in reasons]:
             reasons.append((r, why(r, price_of[r["algorithm"]], topo, model)))
     margin = (second["time_s"] / best["time_s"]) if second else None
-    summary = (f"Summary: for {format_size(model, u)} of gradients per step on {topo.endpoints} "
-               f"accelerators ({_n(n, 'server')}), use {best['algorithm']}: "
-               f"{format_time(best['time_s'])} per step"
-               + ((f", {margin:.2f}x faster than {second['algorithm']}" if margin >= 1.02 else
-                   f", tied with {second['algorithm']} ({margin:.3f}x)") if second else ""))
-    if ps_rows:
-        fastest = min(ps_rows, key=lambda r: r["time_s"])
-        if fastest["time_s"] < best["time_s"]:
-            summary += (f"; with {_n(fastest['servers'], 'extra server machine')} "
-                        f"{fastest['algorithm']} takes {format_time(fastest['time_s'])}")
-    summary += "."
+    summary = _advice_summary(topo, model, best, second, margin, ps_rows)
     out = {"model_bytes": model, "gpus": topo.endpoints, "topology": topo.name,
            "winner": best["algorithm"], "winner_architecture": best["architecture"],
            "winner_time_s": best["time_s"],
@@ -603,16 +624,7 @@ def _advise(a, topo: Topology) -> int:
     symbols = (f"n = {_n(n, 'worker machine')}, M = {format_size(model, u)} of gradients, "
                f"B = {machine_bw / 1e9:.0f} GB/s per machine, t = {best['algorithm']}'s "
                f"{format_time(best['time_s'])}, t_intra = {format_time(intra)} inside the servers")
-    if math.isfinite(k_star) and k_star > 0:
-        print(f"server-count crossover: a separate PS beats {best['algorithm']} from "
-              f"k = n M / (B (t - t_intra)) = {k_star:.1f} server machines, where {symbols} "
-              f"(closed form); "
-              + (f"simulated: k = {k_sim} is the first of {[r['servers'] for r in ps_rows]} "
-                 f"that does" if k_sim else
-                 f"simulated: none of k = {[r['servers'] for r in ps_rows]} does"))
-    else:
-        print(f"server-count crossover: none — t_intra + M/B (one worker's push) already "
-              f"exceeds t, where {symbols}")
+    print(_server_crossover_line(best, ps_rows, k_star, k_sim, symbols))
     print("model-size crossover (no extra machines): "
           + ("; ".join(size_cx) if size_cx else
              f"none between {format_size(sweep_models[0], u)} and {format_size(model, u)}"))
