@@ -1,10 +1,12 @@
-"""The minicomm command: verify | run | bench | demo | sim.
+"""The minicomm command: verify | run | bench | demo | sim | trace | doctor.
 
     minicomm verify                       # prove every algorithm correct and deadlock-free
     minicomm run -n 4 script.py           # the script on 4 ranks of this machine
     minicomm bench allreduce -n 2         # nccl-tests-style benchmark
     minicomm demo                         # one MLP trained every way minicomm can train it
     minicomm sim --advise --model-bytes 350GB --gpus 1024   # a modelled cluster
+    minicomm trace merge traces/          # one timeline of a MINICOMM_TRACE=traces/ job
+    minicomm doctor /tmp/minicomm-flight-JOB   # who is at fault in a failed or hung job
 
 Each command's own --help says more (minicomm sim --help, ...).
 """
@@ -100,6 +102,53 @@ def _cmd_sim(a) -> int:
     return main(a)
 
 
+TRACE_DESCRIPTION = """\
+Timelines of collective calls and their schedule steps. A job run with MINICOMM_TRACE=DIR
+writes DIR/rank-<R>.json per rank; minicomm sim ... --trace FILE writes the same format for
+the modelled cluster. Perfetto (https://ui.perfetto.dev) and Chrome's Trace Viewer open both.
+minicomm trace merge DIR joins a job's files into one; exit status 2 when DIR holds no rank
+files or a file is not a trace.
+
+    MINICOMM_TRACE=traces minicomm run -n 4 script.py
+    minicomm trace merge traces                       # -> traces/merged.json
+    minicomm trace merge traces --sim sim.json -o side-by-side.json
+"""
+
+
+def _cmd_trace_merge(a) -> int:
+    from .trace import merge
+    try:
+        path, ranks, calls = merge(a.dir, a.output, a.sim)
+    except (OSError, ValueError) as e:
+        print(f"minicomm trace merge: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {path} ({ranks} ranks, {calls} calls)")
+    return 0
+
+
+DOCTOR_DESCRIPTION = """\
+Read a job's flight records (the rank-R.json files a failure, SIGUSR1 or
+comm.dump_flight_record() wrote: MINICOMM_FLIGHT_DIR, or the directory minicomm run names)
+and print the diagnosis: the ranks at fault and the calls, as lines beginning "diagnosis:".
+A rank with no file is taken as dead (killed before it could write one). Exit status 0 when
+nothing is at fault, 1 when something is, 2 when DIR holds no flight record.
+
+    minicomm doctor /tmp/minicomm-flight-<job>
+"""
+
+
+def _cmd_doctor(a) -> int:
+    from .diagnosis import diagnose
+    from .flightrecord import load
+    dumps = load(a.dir)
+    if not dumps:
+        print(f"minicomm doctor: no flight record (rank-R.json) in {a.dir}", file=sys.stderr)
+        return 2
+    lines = diagnose(dumps, size=a.size)
+    print("\n".join(lines))
+    return 0 if lines[0].startswith("diagnosis: nothing at fault") else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minicomm", description=plain(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -165,7 +214,30 @@ def build_parser() -> argparse.ArgumentParser:
                        "cluster", description=plain(sim_cli.__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     sim_cli.add_arguments(s)
-    s.set_defaults(func=_cmd_sim)
+    from .trace import SimulatedTrace
+    s.set_defaults(func=_cmd_sim, new_timeline=SimulatedTrace)    # what --trace writes with
+
+    t = sub.add_parser("trace", help="timelines of calls and their steps (MINICOMM_TRACE, "
+                       "sim --trace)", description=TRACE_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("action", choices=["merge"], metavar="merge",
+                   help="join every rank's file of DIR into one trace, aligned by the time each "
+                        "process started tracing")
+    t.add_argument("dir", metavar="DIR", help="the directory MINICOMM_TRACE named")
+    t.add_argument("-o", "--output", metavar="FILE", default=None,
+                   help="the merged trace (default: DIR/merged.json)")
+    t.add_argument("--sim", metavar="FILE", default=None,
+                   help="a minicomm sim --trace file to show beside the measured ranks, as "
+                        "processes 'rank R (simulated)'")
+    t.set_defaults(func=_cmd_trace_merge)
+
+    dr = sub.add_parser("doctor", help="diagnose a failed or hung job from its ranks' flight "
+                        "records", description=DOCTOR_DESCRIPTION,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    dr.add_argument("dir", metavar="DIR", help="the directory of the job's rank-R.json files")
+    dr.add_argument("--size", type=int, default=None,
+                    help="the world size (default: the world communicator's, from the records)")
+    dr.set_defaults(func=_cmd_doctor)
     return p
 
 

@@ -16,7 +16,12 @@ class CommError(RuntimeError):
 
 
 class CommTimeout(CommError):
-    """A blocking wait passed its deadline; the message names the op, the step and the peer."""
+    """A blocking wait passed its deadline; the message names the op, the step and the peer.
+
+    Attributes:
+        peer (int | None): The world rank the wait was for, when the transport knows it.
+    """
+    peer = None
 
 
 class PeerFailure(CommError):
@@ -96,7 +101,8 @@ class SpawnError(CommError):
 
 # ---- packed call signature: what a message tag says about the call it belongs to ----
 COLLECTIVE_CODES = ("p2p", "broadcast", "reduce", "allreduce", "allgather", "reduce_scatter",
-                    "gather", "scatter", "alltoall", "barrier", "fingerprint", "scatter:meta")
+                    "gather", "scatter", "alltoall", "barrier", "fingerprint", "scatter:meta",
+                    "monitored_barrier")
 # "fingerprint": the argument check before a rooted call (or every call, MINICOMM_DEBUG=detail);
 # its tag carries the checked call's collective in the algorithm bits (see fingerprint_call), so a
 # rank in another call names it. "scatter:meta": scatter's header exchange (its argument check,

@@ -24,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from . import trace as _trace
 from .errors import CommTimeout
 from .schedule import IN, OUT, TMP, Copy, Recv, Reduce, Schedule, Send
 from .settings import byte_setting, env_flag
@@ -352,7 +353,12 @@ def run_plan(plan: Plan, transport, bufs, kernel, tag: Tag, deadline: float, wha
     reduces in place (and carries its ufunc as ``kernel.ufunc``). ``tag`` is the call's tag;
     its ``step`` field is set per step. ``guard``: receives checked as they arrive, all of
     them before the call returns (``LazyCheck``). ``oversubscribed``: the transport's
-    capability of that name (this node's ranks outnumber its cores: no helper threads)."""
+    capability of that name (this node's ranks outnumber its cores: no helper threads).
+    With ``MINICOMM_TRACE`` set, ``_run_plan_traced`` runs it instead (minicomm.trace)."""
+    tracer = _trace.TRACER
+    if tracer is not None:
+        return _run_plan_traced(plan, transport, bufs, kernel, tag, deadline, what, guard,
+                                oversubscribed, tracer)
     isend, irecv, wait_all = transport.isend, transport.irecv, transport.wait_all
     if guard is not None:
         def wait_all(reqs, dl, w):
@@ -406,6 +412,115 @@ def run_plan(plan: Plan, transport, bufs, kernel, tag: Tag, deadline: float, wha
             # an error ended the call early: once it returns, nothing writes the caller's buffers
             # (a local copy ends; the bound only keeps this wait from being unbounded)
             helper.thread.join(max(HELPER_JOIN_S, deadline - time.monotonic()))
+
+
+def _post(posts, bufs, kernel, t: Tag, isend, irecv, reqs: list) -> list:
+    """Post a step's messages (``Plan.steps``' form) as ``run_plan`` does, onto ``reqs``."""
+    for is_send, peer, b, lo, hi, whole, red, fused in posts:
+        view = bufs[b] if whole else bufs[b][lo:hi]
+        if is_send:
+            reqs.append(isend(peer, view, t))
+        elif not red:
+            reqs.append(irecv(peer, view, t))
+        elif fused < 0:
+            reqs.append(irecv(peer, view, t, kernel))
+        else:
+            src = bufs[0][fused:fused + hi - lo]
+            reqs.append(irecv(peer, view, t, _InOp(kernel.ufunc, view, src)))
+    return reqs
+
+
+def _run_plan_traced(plan: Plan, transport, bufs, kernel, tag: Tag, deadline: float, what: str,
+                     guard: "LazyCheck | None", oversubscribed: bool, tracer) -> None:
+    """``run_plan`` with a clock around every step: the same posts, local ops, helper threads
+    and waits, in the same order; the call and its steps go to this rank's trace file as the
+    call returns (``_TracedCall``)."""
+    isend, irecv, wait_all = transport.isend, transport.irecv, transport.wait_all
+    if guard is not None:
+        def wait_all(reqs, dl, w):
+            guard.wait(transport, reqs, dl, w)
+    comm, seq, call, count = tag[0], tag[1], tag[3], tag[4]
+    background = plan.background
+    if background is not None and not _helpers_allowed(oversubscribed, bufs):
+        background = None
+    rec = _TracedCall(tracer, transport.rank, plan, what, tag, bufs[1].itemsize)
+    helper = joins = None
+    try:
+        for i, (early, local, posts) in enumerate(plan.steps):
+            rec.begin(i)
+            t = _new_tag(Tag, (comm, seq, i, call, count))
+            reqs = _post(early, bufs, kernel, t, isend, irecv, [])
+            if local:
+                if background is not None and background[i] >= 0 and \
+                        _local_bytes(local, bufs) >= BACKGROUND_MIN_BYTES:
+                    helper = _Helper(lambda local=local: _run_local(local, bufs, kernel))
+                    joins = background[i]
+                else:
+                    _run_local(local, bufs, kernel)
+            _post(posts, bufs, kernel, t, isend, irecv, reqs)
+            rec.posted()
+            if reqs:
+                wait_all(reqs, deadline, what)
+            if joins == i:
+                h, helper, joins = helper, None, None
+                h.join(deadline, what)
+            rec.end()
+        if guard is not None:
+            guard.finish(transport, deadline, what)
+    except BaseException as e:
+        rec.error = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        if helper is not None:
+            helper.thread.join(max(HELPER_JOIN_S, deadline - time.monotonic()))
+        rec.write()
+
+
+class _TracedCall:
+    """One traced call's clock readings, step by step, and the events made of them
+    (minicomm.trace's format): what each step sends and receives is read off the plan."""
+    __slots__ = ("tracer", "rank", "plan", "what", "tag", "isz", "t0", "steps", "step", "error")
+
+    def __init__(self, tracer, rank: int, plan: Plan, what: str, tag: Tag, itemsize: int):
+        self.tracer, self.rank, self.plan, self.what, self.tag = tracer, rank, plan, what, tag
+        self.isz, self.steps, self.step, self.error = itemsize, [], None, None
+        self.t0 = time.perf_counter()
+
+    def begin(self, i: int) -> None:
+        now = time.perf_counter()
+        self.step = [i, now, now, None]         # index, start, posted, end
+
+    def posted(self) -> None:
+        self.step[2] = time.perf_counter()
+
+    def end(self) -> None:
+        self.step[3] = time.perf_counter()
+        self.steps.append(self.step)
+        self.step = None
+
+    def write(self) -> None:
+        """The call's events, to this rank's file (a failed call: up to the step it failed in)."""
+        tracer = self.tracer
+        now, us, span, isz = time.perf_counter(), tracer.us, _trace.to_us, self.isz
+        if self.step is not None:                # the step the call failed in
+            self.step[3] = now
+            self.steps.append(self.step)
+        comm, seq, count = self.tag[0] >> 2, self.tag[1], self.tag[4]   # Tag.comm: id << 2 | kind
+        sched = self.plan.schedule
+        events = [_trace.call_event(self.rank, comm, self.what, us(self.t0), span(now - self.t0),
+                                    sched.collective, sched.algorithm, seq, count, count * isz,
+                                    self.error)]
+        for i, start, posted, end in self.steps:
+            early, local, posts = self.plan.steps[i]
+            copied = sum(n for kind, _, _, _, _, n, _ in local if kind == _LOCAL_COPY) + sum(
+                hi - lo for s, _, _, lo, hi, _, _, fused in posts if not s and fused >= 0)
+            reduced = sum(n for kind, _, _, _, _, n, _ in local if kind == _LOCAL_REDUCE)
+            events.append(_trace.step_event(
+                self.rank, comm, seq, i, us(start), span(end - start),
+                [(p[1], (p[4] - p[3]) * isz) for p in early + posts if p[0]],
+                [(p[1], (p[4] - p[3]) * isz, p[6]) for p in posts if not p[0]],
+                copied * isz, reduced * isz, span(end - posted)))
+        tracer.log(self.rank).add(events)
 
 
 def _run_local(local, bufs, kernel) -> None:

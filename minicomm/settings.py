@@ -137,6 +137,15 @@ def env_debug(env: Optional[Mapping[str, str]] = None) -> str:
 _TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
 
 
+def env_path(name: str, env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The environment variable ``name`` as a path (stripped, ``~`` expanded); None when unset
+    or empty."""
+    raw = (os.environ if env is None else env).get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    return os.path.expanduser(raw.strip())
+
+
 def env_flag(name: str, default: bool, env: Optional[Mapping[str, str]] = None) -> bool:
     """A boolean environment variable: 1/on/true/yes or 0/off/false/no; else a ValueError."""
     raw = (os.environ if env is None else env).get(name)
@@ -252,6 +261,16 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("MINICOMM_DEBUG", "off", "0, off, warn, info, detail",
             "info: log the transports, copy paths and algorithm choices; detail: also compare "
             "every call's arguments across ranks.", _DEBUG),
+    Setting("MINICOMM_TRACE", "unset (no trace)", "directory",
+            "Write a Chrome trace-event timeline of every collective call and schedule step, "
+            "one file per rank (`DIR/rank-<R>.json`; open it in Perfetto).", _DEBUG),
+    Setting("MINICOMM_FLIGHT_RECORDS", "2048", "integer >= 0",
+            "The calls each communicator's flight recorder keeps (0: no recorder); dumped on a "
+            "timeout, a failed peer, a mismatch, SIGUSR1 or `comm.dump_flight_record()`.", _DEBUG),
+    Setting("MINICOMM_FLIGHT_DIR", "a directory per job (`mc.spawn`, `minicomm run`), else "
+            "`<tmp>/minicomm-flight-<job id>`", "directory",
+            "Where flight records are dumped, one `rank-<R>.json` per rank (`minicomm doctor "
+            "DIR` diagnoses them); one you set is kept.", _DEBUG, "`mc.spawn` and `minicomm run`"),
     Setting("MINICOMM_FAULT", "unset (no faults)", "drop:P,delay:D,crash:N[:how],after:N,"
                                                    "ranks:R,seed:N",
             "Drops, delays or crashes a rank's outgoing two-sided messages, for tests and chaos "

@@ -543,10 +543,12 @@ def _timeout(pending: Req, reqs: List[Req], what: str, waited: float) -> CommTim
             note = f"; {held}"
     except Exception:
         pass
-    return CommTimeout(
+    e = CommTimeout(
         f"{what}: rank {pending.engine.rank} timed out after {waited:.1f}s at step {t.step} of "
         f"call #{t.seq} ({describe_call(t)}) waiting to {direction} rank {pending.peer} over "
         f"{pending.engine.name} ({n} of {len(reqs)} requests of this wait still pending){note}")
+    e.peer = pending.peer
+    return e
 
 
 def peer_failure(engine, req: Req, what: str, reason: str) -> PeerFailure:

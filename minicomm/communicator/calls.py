@@ -19,9 +19,11 @@ from ..algorithms import FAMILIES, build_schedule
 from ..cost import LinkModel, choose
 from ..errors import CommError, pack_call
 from ..executor import Plan, run_plan
+from ..flightrecord import ENDED
 from ..schedule import ROOTED
 from ..settings import env_flag
 from ..smallpath import SMALL_SPIN_S, compile_small, eligible, straight_line
+from ..trace import tracing_enabled
 from ..transports.base import Tag
 from .buffers import LAYOUT, NONE, RESULT_AT_ROOT, STACKED, InPlace
 from .cache import BoundedCache
@@ -44,12 +46,13 @@ class Call:
     out may share memory, the avg division)."""
     __slots__ = ("coll", "algo", "call", "plan", "kernel", "rooted", "label", "requested",
                  "small", "run", "run_guarded", "hot", "tmp", "alias0", "count", "no_result",
-                 "out_count", "separate", "avg")
+                 "out_count", "separate", "avg", "root")
 
     def __init__(self, coll, algo, call, plan, kernel, label, requested, count):
         self.coll, self.algo, self.call, self.plan, self.kernel = coll, algo, call, plan, kernel
         self.rooted, self.label, self.requested = coll in ROOTED, label, requested
         self.count = count
+        self.root = None              # a rooted call's root (the flight record names it)
         self.small = self.run = self.run_guarded = self.tmp = None
         self.hot = self.alias0 = False
 
@@ -77,8 +80,9 @@ class CallPlans:
         self._plans = BoundedCache(CACHE_ENTRIES)       # (coll, algo, count, root) -> Plan
         self._scratch = BoundedCache(64)                # dtype -> tmp buffer
         # False: every call runs through the executor (what the link probe times against the
-        # small-message path; MINICOMM_SMALL_PATH=0 does it for the whole process)
-        self.small_path = True
+        # small-message path; MINICOMM_SMALL_PATH=0 does it for the whole process; a traced
+        # process too, since only the executor traces a call's steps)
+        self.small_path = not tracing_enabled()
         self.link_model = link_model or LinkModel.for_transports("shm", "tcp")
 
     @property
@@ -163,6 +167,8 @@ class CallPlans:
         c = Call(coll, algo, pack_call(coll, op, algo, dtype, root if rooted else -1), plan,
                  _ops.get_kernel(op) if op != "none" else None, f"{coll} ({algo})",
                  algorithm not in (None, "auto"), count)
+        if rooted:
+            c.root = root
         c.small = self._small(plan, dtype)
         if c.small is not None:
             c.run = straight_line(c.small, True)          # an eager channel has sendrecv_now
@@ -201,7 +207,10 @@ class CallPlans:
         # Headers catch a disagreement whenever the disagreeing ranks exchange a message. Ranks
         # that disagree on the *root* may never do so (each "root" only sends): rooted calls
         # therefore always exchange fingerprints first; check="full" does it for every call.
-        guard = small_guard = None
+        guard = small_guard = rec = None
+        flight = self._flight
+        if flight is not None:        # numbered by its first exchange: the same on every rank
+            rec = flight.repeat(self._seq + 1, c)
         if fingerprint and self.size > 1 and (c.rooted or self.check == "full"):
             if self.check == "full":
                 self._fingerprint_check(c.call, count, shape)
@@ -241,3 +250,5 @@ class CallPlans:
                      new_tag(Tag, (self._ctx, seq, 0, c.call, count)),
                      time.monotonic() + self.timeout, c.label, guard,
                      oversubscribed=self.caps.oversubscribed)
+        if rec is not None:
+            rec[ENDED] = time.monotonic()

@@ -95,11 +95,16 @@ class Collectives:
                 self._seq = seq = self._seq + 1
                 if inb is outb and not c.alias0:
                     inb = inb.copy()
+                flight = self._flight
+                if flight is not None:
+                    rec = flight.repeat(seq, c)
                 try:
                     c.run((inb, outb, c.tmp), self._small_io, c.kernel, self._ctx, seq, c.call,
                           count, _monotonic() + self.timeout, c.label, SMALL_SPIN_S)
                 except CommError as e:
                     self._fail(e)
+                if flight is not None:
+                    rec[3] = _monotonic()
             finally:
                 self._depth, self.busy_with, self._busy_thread = 0, None, None
                 self._guard.release()

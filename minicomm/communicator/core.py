@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Sequence
 
 from ..cost import LinkModel, parse_algo_env
+from ..flightrecord import FlightRecorder, record_capacity
 from ..p2p import P2PEngine
 from ..settings import env_debug, env_timeout, timeout_arg
 from ..transports.base import Capabilities, capabilities_of
@@ -16,19 +17,22 @@ from .groups import Groups
 from .lifecycle import COLL, P2P, Lifecycle, context
 from .memory import RegisteredBuffers
 from .objects import ObjectCollectives
+from .observe import Observability
 from .pointtopoint import PointToPoint
 from .scatter import ScatterHeader
 
 
 class Communicator(Collectives, ScatterHeader, ObjectCollectives, PointToPoint, Groups,
-                   FaultTolerance, RegisteredBuffers, CallPlans, Fingerprints, Buffers, Lifecycle):
+                   FaultTolerance, Observability, RegisteredBuffers, CallPlans, Fingerprints,
+                   Buffers, Lifecycle):
     """A group of ranks that run collectives together. Create with ``mc.spawn`` or ``mc.init``.
 
     Its methods: the collectives (``allreduce``, ``reduce``, ``broadcast``, ``allgather``,
     ``gather``, ``reduce_scatter``, ``alltoall``, ``scatter``, ``barrier``), their object forms,
     point-to-point (``send``, ``recv``, ``isend``, ``irecv``), ``split``, ``window``,
     registered buffers (``empty``, ``register``, ``free``), fault tolerance (``revoke``,
-    ``shrink``, ``agree``, ``failed_ranks``), ``abort`` and ``close``. A
+    ``shrink``, ``agree``, ``failed_ranks``), observing (``dump_flight_record``, ``stats``,
+    ``monitored_barrier``), ``abort`` and ``close``. A
     communicator is used by one thread at a time; ``async_op=True`` overlaps.
 
     Attributes:
@@ -80,6 +84,8 @@ class Communicator(Collectives, ScatterHeader, ObjectCollectives, PointToPoint, 
         self.check = check or ("full" if debug == "detail" else "header")
         self._algo_env = parse_algo_env()
         self._ctx = context(comm_id, COLL)
+        capacity = record_capacity()
+        self._flight = FlightRecorder(capacity, comm_id, rank, self.group) if capacity else None
         self._init_lifecycle(_owner)
         self._init_fingerprints(CACHE_ENTRIES)
         self._init_scatter()

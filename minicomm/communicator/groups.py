@@ -63,11 +63,14 @@ class Groups:
     def _subgroup(self, ranks: List[int], comm_id: int, owner: bool = False):
         """The communicator of ``ranks`` (of this one) numbered ``comm_id``, on this transport;
         ``owner``: it closes the transport (shrink hands a world's ownership on)."""
-        return type(self)(self.transport, ranks.index(self.rank), len(ranks),
-                          group=[self.group[r] for r in ranks],
-                          topology=[self.topology[r] for r in ranks], comm_id=comm_id,
-                          timeout=self.timeout, check=self.check, link_model=self.link_model,
-                          _owner=owner, _caps=self.caps)
+        new = type(self)(self.transport, ranks.index(self.rank), len(ranks),
+                         group=[self.group[r] for r in ranks],
+                         topology=[self.topology[r] for r in ranks], comm_id=comm_id,
+                         timeout=self.timeout, check=self.check, link_model=self.link_model,
+                         _owner=owner, _caps=self.caps)
+        if new._flight is not None and self._flight is not None:
+            new._flight.directory = self._flight.directory   # the job's dumps stay together
+        return new
 
     @serialized("window")
     def window(self, array) -> Window:

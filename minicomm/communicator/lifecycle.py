@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .. import flightrecord
 from ..errors import CommError, CommTimeout, MismatchError, PeerFailure, Revoked
 from ..p2p import Status
 from ..transports.base import ABORT_CALL, ABORT_KINDS, Tag
@@ -45,8 +46,9 @@ get_ident = threading.get_ident
 USER_COLLECTIVES = frozenset((
     "allreduce", "reduce", "broadcast", "allgather", "gather", "reduce_scatter", "alltoall",
     "scatter", "barrier", "split", "window", "broadcast_object", "allgather_object",
-    "gather_object", "scatter_object", "agree", "shrink"))
+    "gather_object", "scatter_object", "agree", "shrink", "monitored_barrier"))
 SEQUENCE_NUMBER = re.compile(r"\bcall #(\d+)")
+DUMPED_ERRORS = (CommTimeout, PeerFailure, MismatchError)   # the flight record is dumped on them
 
 
 def context(comm_id: int, kind: int) -> int:
@@ -265,12 +267,23 @@ class Lifecycle:
         self.transport.cancel_context(self._p2p.ctx, broken)
 
     def _fail(self, e: CommError):
-        """A call's error is final: break the communicator and raise it (see ``_break``)."""
+        """A call's error is final: break the communicator and raise it (see ``_break``); the
+        flight record marks the call and, for a timeout, a failed peer or a mismatch, is
+        dumped (minicomm.flightrecord)."""
         if self._closing_error is not None and not isinstance(e, (MismatchError, PeerFailure)):
             e = same_error(self._closing_error)      # woken by close() from another thread
         self._number(e)
+        if self._flight is not None:
+            self._flight.failed(e)
+            if isinstance(e, DUMPED_ERRORS):
+                self._dump_flight(e)
         self._break(e)
         raise e from None
+
+    def _dump_flight(self, e: BaseException) -> None:
+        """Dump the records of every communicator of this rank, with ``e`` as the reason."""
+        me = self.group[self.rank]
+        flightrecord.dump(f"{type(e).__name__}: {e}", flightrecord.recorders_of(me))
 
     def _number(self, e: BaseException) -> None:
         """Prefix ``e``'s message with the number of the user's call it ended (counted from 1 on
@@ -308,13 +321,14 @@ class Lifecycle:
     def _enqueue(self, description: str, fn) -> Work:
         work = Work(description)
         number = self._user_calls     # this call's: submitted in program order, run later
+        rec = None if self._flight is None else self._flight.queued(description)
         with self._qlock:
             self._pending += 1
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work_loop, daemon=True,
                                                 name=f"minicomm-comm{self.comm_id}-r{self.rank}")
                 self._worker.start()
-        self._queue.put((work, fn, number))
+        self._queue.put((work, fn, number, rec))
         return work
 
     def _work_loop(self):
@@ -322,7 +336,9 @@ class Lifecycle:
             item = self._queue.get()
             if item is None:
                 return
-            work, fn, self._worker_call = item
+            work, fn, self._worker_call, rec = item
+            if rec is not None:
+                flightrecord.started(rec)     # its collective record follows
             try:
                 if self._broken is not None:
                     work._finish(error=same_error(self._broken))
@@ -384,7 +400,10 @@ class Lifecycle:
         if busy is not None and busy != get_ident():
             self._stop_running_call()
         self._stop_worker()
+        if self.debug_info and self._flight is not None:
+            self._log_stats()         # the Observability mixin's (the composed class has it)
         self._closed = True
+        flightrecord.retire(self._flight)
         if self._closing_error is None:
             self._closing_error = CommError("communicator is closed")
         self._release()

@@ -8,7 +8,8 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from ..errors import CommError, CommTimeout
+from ..errors import CommError, CommTimeout, PeerFailure
+from ..flightrecord import ENDED, end, received
 from ..p2p import ANY_SOURCE, ANY_TAG, MAX_TAG, Status
 from ..settings import timeout_arg
 from .lifecycle import Work, serialized, translate_peer
@@ -36,6 +37,17 @@ class PointToPoint:
         raise ValueError(f"{what}: tag {tag!r} must be an int in 0..{MAX_TAG}"
                          + (" or ANY_TAG" if any_ok else ""))
 
+    def _p2p_ended(self, rec, error: Optional[BaseException] = None, got=None) -> None:
+        """Close a point-to-point call's flight record (``got``: what a receive received); a
+        timeout or a failed peer dumps it."""
+        if rec is None or rec[ENDED] is not None:
+            return
+        if isinstance(got, np.ndarray):
+            received(rec, got)
+        end(rec, error)
+        if isinstance(error, (CommTimeout, PeerFailure)):
+            self._dump_flight(error)
+
     def _p2p_deadline(self, timeout: Optional[float]) -> float:
         return time.monotonic() + (self.timeout if timeout is None else float(timeout))
 
@@ -45,10 +57,13 @@ class PointToPoint:
         tag = self._check_tag(tag, "send", False)
         self._usable("send")
         reqs = self._p2p.isend(arr, flat, dst, tag)
+        rec = None if self._flight is None else self._flight.p2p("send", flat.size, arr.dtype,
+                                                                  dst, tag)
         what = f"send to rank {dst} (tag {tag})"
         work = Work(what)
         if not reqs:
             work._finish(None)
+            self._p2p_ended(rec)
             return work
         transport = self.transport
 
@@ -59,18 +74,21 @@ class PointToPoint:
                     try:
                         transport.wait_all(reqs, self._p2p_deadline(timeout), what)
                         work._finish(None)
-                    except CommTimeout:
+                        self._p2p_ended(rec)
+                    except CommTimeout as e:
                         if timeout is None:
+                            self._p2p_ended(rec, e)
                             raise
                     except CommError as e:
                         work._finish(error=translate_peer(e, self.group))
+                        self._p2p_ended(rec, e)
             finally:
                 self._exit()
         work._drive = drive
         work._keep = flat             # the buffer must live until the send completes
         return work
 
-    def _irecv(self, src, tag, out) -> Tuple[Work, object]:
+    def _irecv(self, src, tag, out) -> Tuple[Work, object, Optional[list]]:
         src = self._check_peer(src, "recv", True)
         tag = self._check_tag(tag, "recv", True)
         if out is not None and not isinstance(out, np.ndarray):
@@ -80,6 +98,7 @@ class PointToPoint:
                     f"({'any tag' if tag == ANY_TAG else f'tag {tag}'})")
         work.status = Status()
         r = self._p2p.post(src, tag, out, work)
+        rec = None if self._flight is None else self._flight.p2p("recv", None, None, src, tag)
         engine = self._p2p
 
         def drive(timeout):
@@ -94,32 +113,37 @@ class PointToPoint:
                         raise
                     engine.cancel(r)
                     work._finish(error=e)
+                    self._p2p_ended(rec, e)
                     return
                 except CommError as e:
                     engine.cancel(r)
                     work._finish(error=e)
+                    self._p2p_ended(rec, e)
                     return
                 if r.error is not None:
                     work._finish(error=r.error)
                 else:
                     work._finish(r.result)
+                self._p2p_ended(rec, r.error, r.result)
             finally:
                 self._exit()
         work._drive = drive
         if r.done():
             drive(None)
-        return work, r
+        return work, r, rec
 
     def _recv(self, src, tag, out, status: Optional[Status], timeout):
         timeout = timeout_arg("recv: timeout", timeout)     # checked before anything is consumed
-        work, r = self._irecv(src, tag, out)
+        work, r, rec = self._irecv(src, tag, out)
         if not work.is_completed():
             try:
                 self._p2p.progress(r.done, self._p2p_deadline(timeout), work.description)
-            except CommError:
+            except CommError as e:
                 self._p2p.cancel(r)
+                self._p2p_ended(rec, e)
                 raise
             work._finish(r.result, r.error)
+            self._p2p_ended(rec, r.error, r.result)
         y = work.wait(0)
         if status is not None:
             st = work.status

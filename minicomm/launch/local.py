@@ -31,13 +31,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import cloudpickle
 
+from .. import flightrecord
 from ..communicator import Communicator
 from ..cost import LinkModel, parse_algo_env
+from ..diagnosis import FINISHED
 from ..errors import CommError, PeerFailure, SpawnError
 from ..rendezvous import StoreServer
 from ..settings import env_debug, env_timeout, timeout_arg
 from ..transports import fault
 from .lifeline import EXEC_UNDER_LIFELINE
+from .records import ASK_AFTER_TIMEOUT_S, JobRecords, exit_text
 from .world import TRANSPORTS, node_map
 
 FAILURE_GRACE = 5.0     # seconds the surviving ranks get to notice a failure by themselves
@@ -90,6 +93,7 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), transport: str = "
     env_timeout()
     env_debug()
     parse_algo_env()
+    flightrecord.record_capacity()
     topology = node_map(world_size, nodes)
     if transport == "inproc":
         return _spawn_threads(fn, world_size, tuple(args), topology, timeout, on_failure)
@@ -102,13 +106,15 @@ def _order_failures(failures):
     return sorted(failures, key=lambda f: (f[3], f[0]))
 
 
-def _raise_spawn_error(failures, world_size: int, results: Sequence = ()):
+def _raise_spawn_error(failures, world_size: int, results: Sequence = (),
+                       diagnosis: Sequence[str] = ()):
     failures = _order_failures(failures)
     first = failures[0]
     lines = [f"{len(failures)} of {world_size} ranks failed; root cause: rank {first[1]}: "
              f"{first[2]}"]
     for _, rank, summary, _, tb in failures:
         lines.append(f"--- rank {rank}: {summary}\n{tb.rstrip()}")
+    lines += diagnosis
     raise SpawnError("\n".join(lines), [(f[1], f[4]) for f in failures], results)
 
 
@@ -125,11 +131,17 @@ def _spawn_threads(fn, world_size, args, topology, timeout, on_failure):
                   for r in range(world_size)]
     finished = threading.Condition()
     done = []
+    records = JobRecords(f"inproc{os.getpid()}")
+    comms: List[Any] = [None] * world_size
 
     def body(rank: int):
-        comm = Communicator(transports[rank], rank, world_size, topology=topology,
-                            timeout=timeout, check="full", link_model=model)
-        try:
+        comm = None
+        try:                          # a failure to build the communicator is the rank's too
+            comm = comms[rank] = Communicator(transports[rank], rank, world_size,
+                                              topology=topology, timeout=timeout, check="full",
+                                              link_model=model)
+            if comm._flight is not None:
+                comm._flight.directory = records.directory
             results[rank] = fn(comm, *args)
         except BaseException as e:   # reported to the caller through SpawnError
             with lock:
@@ -137,7 +149,8 @@ def _spawn_threads(fn, world_size, args, topology, timeout, on_failure):
                                  isinstance(e, PeerFailure), traceback.format_exc()))
             fabric.abort(rank, e)
         finally:
-            comm.close()
+            if comm is not None:
+                comm.close()
             with finished:
                 done.append(rank)
                 finished.notify_all()
@@ -164,9 +177,26 @@ def _spawn_threads(fn, world_size, args, topology, timeout, on_failure):
         fabric.shutdown(CommError("spawn: the job failed"))
         failures.extend((time.monotonic(), r, f"still running {FAILURE_GRACE:.0f}s after the job "
                          f"failed", True, "") for r in hung)
-    if failures:
-        _raise_spawn_error(failures, world_size, results)
+    try:
+        if failures:
+            _raise_spawn_error(failures, world_size, results,
+                               _thread_diagnosis(records, comms, failures, hung))
+    finally:
+        records.close()
     return results
+
+
+def _thread_diagnosis(records: JobRecords, comms, failures, hung) -> List[str]:
+    """As ``_diagnosis``, for ranks that are threads: the ranks that wrote no record of their
+    own (they finished, or hang) are recorded here from their world communicators."""
+    exits: Dict[int, Optional[str]] = {r: FINISHED for r in range(len(comms))}
+    for _, r, summary, _, _ in failures:
+        exits[r] = None if r in hung else summary.split("\n", 1)[0][:200]
+    for r, comm in enumerate(comms):
+        if comm is not None and comm._flight is not None and not os.path.exists(
+                os.path.join(records.directory, f"rank-{r}.json")):
+            flightrecord.dump("the job ended", [comm._flight], records.directory)
+    return records.diagnosis(exits, len(comms))
 
 
 def _sweep(job_id: str) -> None:
@@ -189,6 +219,7 @@ def _spawn_processes(fn, world_size, args, transport, topology, timeout, on_fail
     blob = cloudpickle.dumps((fn, args))
     procs: List[subprocess.Popen] = []
     readers: Dict[int, int] = {}
+    records = JobRecords(job_id)
     try:
         for rank in range(world_size):
             rfd, wfd = os.pipe()
@@ -196,7 +227,7 @@ def _spawn_processes(fn, world_size, args, transport, topology, timeout, on_fail
                        hosts=(host,) * world_size,      # emulated nodes, one machine
                        master_addr="127.0.0.1", master_port=server.port, token=token.hex(),
                        job_id=job_id, transport=transport, timeout=timeout, result_fd=wfd,
-                       sys_path=list(sys.path), cwd=os.getcwd())
+                       sys_path=list(sys.path), cwd=os.getcwd(), flight_dir=records.directory)
             payload = cloudpickle.dumps(cfg) + blob
             p = subprocess.Popen([sys.executable, "-m", "minicomm.launch.worker", str(os.getpid())],
                                  stdin=subprocess.PIPE,
@@ -207,7 +238,7 @@ def _spawn_processes(fn, world_size, args, transport, topology, timeout, on_fail
             header = struct.pack("!QQ", len(payload) - len(blob), len(blob))
             p.stdin.write(header + payload)
             p.stdin.flush()            # stdin stays open: it is the child's lifeline
-        return _collect(procs, readers, world_size, on_failure)
+        return _collect(procs, readers, world_size, on_failure, records)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -225,9 +256,10 @@ def _spawn_processes(fn, world_size, args, transport, topology, timeout, on_fail
                 pass
         server.close()
         _sweep(job_id)
+        records.close()
 
 
-def _collect(procs, readers, world_size, on_failure):
+def _collect(procs, readers, world_size, on_failure, records: JobRecords):
     sel = selectors.DefaultSelector()
     chunks: Dict[int, List[bytes]] = {r: [] for r in readers}
     for r, fd in readers.items():
@@ -236,6 +268,7 @@ def _collect(procs, readers, world_size, on_failure):
     failures = []
     finished = set()
     first_failure_at: Optional[float] = None
+    ask_at: Optional[float] = None    # when to ask the running ranks for their records
     # ``timeout`` is the ranks' limit for each wait (they raise CommTimeout naming the silent
     # peer), not a deadline for the job: a healthy job may compute as long as it likes. What
     # ends a failed job here is the grace period after its first failure.
@@ -244,6 +277,11 @@ def _collect(procs, readers, world_size, on_failure):
         limit = None
         if first_failure_at is not None and on_failure == "end":
             limit = first_failure_at + FAILURE_GRACE
+        if ask_at is not None and now >= ask_at:
+            ask_at = None
+            running = {r: procs[r].pid for r in range(world_size) if r not in finished}
+            if not records.ask(running) and limit is not None:
+                limit = now           # a hang, diagnosed: the rest never fail by themselves
         if limit is not None and now >= limit:
             for r in range(world_size):
                 if r not in finished:
@@ -253,7 +291,8 @@ def _collect(procs, readers, world_size, on_failure):
                     failures.append((time.time(), r, why, True, ""))
                     finished.add(r)
             break
-        events = sel.select(None if limit is None else max(0.01, limit - now))
+        wake = min(t for t in (limit, ask_at, now + 3600) if t is not None)
+        events = sel.select(None if limit is None and ask_at is None else max(0.01, wake - now))
         for key, _ in events:
             r = key.data
             data = os.read(key.fd, 1 << 20)
@@ -278,10 +317,27 @@ def _collect(procs, readers, world_size, on_failure):
                 failures.append((when, r, summary, consequence, tb))
                 if first_failure_at is None:
                     first_failure_at = time.monotonic()
+                if summary.startswith("CommTimeout") and ask_at is None:
+                    ask_at = time.monotonic() + ASK_AFTER_TIMEOUT_S
     sel.close()
     if failures:
-        _raise_spawn_error(failures, world_size, results)
+        _raise_spawn_error(failures, world_size, results,
+                           _diagnosis(records, procs, failures, world_size))
     return results
+
+
+def _diagnosis(records: JobRecords, procs, failures, world_size: int) -> List[str]:
+    """The diagnosis of a failed job from its ranks' records and how each ended."""
+    exits: Dict[int, Optional[str]] = {}
+    for r, p in enumerate(procs):
+        rc = p.poll()
+        exits[r] = None if rc is None else exit_text(rc)
+    for _, r, summary, _, _ in failures:
+        if summary.startswith("killed "):
+            exits[r] = None           # killed by this launcher: it was running until then
+        elif exits.get(r) != FINISHED and not summary.startswith("process died"):
+            exits[r] = summary.split("\n", 1)[0][:200]
+    return records.diagnosis(exits, world_size)
 
 
 # ---------------------------------------------------------------------------------- run -n
@@ -306,6 +362,7 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
     token = secrets.token_bytes(32)
     server = StoreServer("127.0.0.1", 0, token)
     job = _LocalJob(nprocs, out, on_failure)
+    job.records = JobRecords(job_id)
 
     def on_signal(signum, frame):
         job.stop_signal = signum
@@ -314,6 +371,7 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
     try:
         for rank in range(nprocs):
             env = _rank_env(rank, topology, nodes, server.port, token, job_id, transport, timeout)
+            env["MINICOMM_FLIGHT_DIR"] = job.records.directory
             # through the lifeline: the rank gets SIGTERM if this launcher dies, even by SIGKILL
             job.start(rank, [python, "-S", "-c", EXEC_UNDER_LIFELINE, str(os.getpid()),
                              python] + list(argv), env)
@@ -324,6 +382,7 @@ def run_local(nprocs: int, argv: Sequence[str], nodes: int = 1, transport: str =
             signal.signal(s, h)
         server.close()
         _sweep(job_id)
+        job.records.close(keep=job.diagnosed)
 
 
 def _rank_env(rank: int, topology: Sequence[int], nodes: int, port: int, token: bytes,
@@ -364,6 +423,8 @@ class _LocalJob:
         self.failed_at: Optional[float] = None
         self.first_death_at: Optional[float] = None
         self.dead_since: Dict[int, float] = {}
+        self.records: Optional[JobRecords] = None   # the job's flight records (run_local)
+        self.diagnosed = False
 
     def start(self, rank: int, cmd: List[str], env: Dict[str, str]) -> None:
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
@@ -468,9 +529,31 @@ class _LocalJob:
             msg = f"minicomm run: rank {rank} exited with status {rc}; ending the job\n"
             self.out.write(msg.encode())
             self.out.flush()
+            self.diagnose()
             for q in procs:
                 if q.poll() is None:
                     _signal_group(q, signal.SIGTERM)
+
+    def diagnose(self) -> None:
+        """A failed job: ask the running ranks for their flight records, then print the
+        diagnosis (minicomm.diagnosis) to stderr; the records are kept for ``minicomm doctor``."""
+        if self.records is None:
+            return
+        running = {r: p.pid for r, p in enumerate(self.procs) if p.poll() is None}
+        self.records.ask(running)
+        exits: Dict[int, Optional[str]] = {}
+        for r, p in enumerate(self.procs):
+            rc = p.poll()
+            exits[r] = None if rc is None else exit_text(rc)
+            if rc not in (None, 0) and self.last_error.get(r):
+                exits[r] += ": " + self.last_error[r].decode(errors="replace")[:200]
+        lines = self.records.diagnosis(exits, len(self.procs))
+        if self.records.owned:
+            lines.append(f"diagnosis: the flight records are in {self.records.directory} "
+                         f"(minicomm doctor {self.records.directory})")
+        sys.stderr.write("".join(f"{ln}\n" for ln in lines))
+        sys.stderr.flush()
+        self.diagnosed = True
 
     def end(self) -> None:
         """Kill what still runs (its whole session) and reap every rank."""

@@ -48,11 +48,15 @@ def main() -> int:
     if parent is not None and lifeline.arm_parent_death(parent) is False:
         os._exit(lifeline.ORPHAN_EXIT)      # the parent died before the death signal was armed
     lifeline.install_orderly_exit(parent)
-    faulthandler.register(signal.SIGUSR1)   # `kill -USR1 <pid>` prints where a hung rank is
+    from minicomm import flightrecord
+    flightrecord.install_signal_handler()   # `kill -USR1 <pid>` dumps the flight record ...
+    faulthandler.register(signal.SIGUSR1, chain=True)   # ... and prints where a hung rank is
     stdin = sys.stdin.buffer
     cfg_len, blob_len = struct.unpack("!QQ", _read_exact(stdin, 16))
     import cloudpickle
     cfg = cloudpickle.loads(_read_exact(stdin, cfg_len))
+    if cfg.get("flight_dir"):
+        os.environ["MINICOMM_FLIGHT_DIR"] = cfg["flight_dir"]
     lifeline.install_orderly_exit(job_id=cfg["job_id"])
     sys.path[:] = cfg["sys_path"]      # as multiprocessing's spawn does: the parent's modules import
     os.chdir(cfg["cwd"])

@@ -18,6 +18,7 @@ import socket
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from .. import flightrecord
 from ..communicator import Communicator
 from ..cost import LinkModel
 from ..errors import CommError, CommTimeout
@@ -73,6 +74,7 @@ def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
     ``close``; minicomm.torch adapts the c10d store torch gives a backend). This rank joins it;
     ``master_port``, ``host_store`` and ``store_server`` are not used."""
     rank, size = cfg["rank"], cfg["size"]
+    flightrecord.install_signal_handler()   # SIGUSR1 dumps this rank's flight record
     fault.from_env()             # a bad MINICOMM_FAULT is a ValueError before anything is built
     token = bytes.fromhex(cfg["token"])
     timeout = timeout_arg("timeout", cfg.get("timeout"))

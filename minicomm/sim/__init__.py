@@ -8,7 +8,8 @@
 Modules: topology (servers, intra fabric, NICs, fat-tree), presets (+ presets.json), engine
 (schedules as flows: α per message, max-min fair link sharing, γ per reduced byte), host (the
 same schedules as processes on CPU cores: the machine auto prices; + host_model.json), ps_model
-(parameter server push/pull), explain (the GPT-3 traffic arithmetic), cli (``minicomm sim``).
+(parameter server push/pull), explain (the GPT-3 traffic arithmetic), timeline (a simulated
+call's modelled steps, which ``minicomm sim --trace`` writes), cli (``minicomm sim``).
 Imports only minicomm.schedule / algorithms / errors / ops, numpy and the standard library.
 """
 from .engine import SimResult, busbw_factor, simulate, simulate_schedules  # noqa: F401

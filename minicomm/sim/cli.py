@@ -3,6 +3,7 @@
     minicomm sim --topology dgx-h100 --nodes 128 --collective allreduce --sizes 1K:1G --algorithms all
     minicomm sim --topology my.toml --sizes 1M,64M,1G --algorithms ring,hier --json
     minicomm sim --topology dgx-h100 --nodes 16 --sizes 1K:1G --plot busbw.png
+    minicomm sim --topology dgx-h100 --nodes 1 --algorithms ring --sizes 1M --trace sim.json
     minicomm sim --explain
     minicomm sim --architecture ps --servers 8 --topology dgx-h100 --nodes 16 --model-bytes 1GiB
     minicomm sim --advise --model-bytes 350GB --gpus 1024 --topology dgx-h100
@@ -60,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sweep: draw busbw vs size per algorithm (matplotlib)")
     p.add_argument("--exact", action="store_true",
                    help="build every rank's schedule (no rank-symmetry shortcut)")
+    p.add_argument("--trace", metavar="FILE",
+                   help="sweep: write every simulated call's steps, rank by rank, as a Chrome "
+                        "trace (the format MINICOMM_TRACE writes; open it in Perfetto)")
     q = p.add_argument_group("other questions (one at a time; without them: a size sweep)")
     q.add_argument("--explain", action="store_true",
                    help="the GPT-3 traffic arithmetic (flat ring vs hier, the 89.6 TB figure)")
@@ -79,7 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # the options each question uses (--topology, --nodes, --gpus, --json: every question)
 _USES = {
-    "sweep": ("--sizes", "--algorithms", "--collective", "--root", "--plot", "--exact"),
+    "sweep": ("--sizes", "--algorithms", "--collective", "--root", "--plot", "--exact",
+              "--trace"),
     "--compare-interconnects": ("--sizes", "--algorithms", "--collective", "--root", "--exact"),
     "--architecture ps": ("--sizes", "--model-bytes", "--servers", "--algorithms"),
     "--advise": ("--model-bytes", "--servers", "--algorithms"),
@@ -91,7 +96,8 @@ def _given(a) -> Dict[str, bool]:
     return {"--sizes": a.sizes is not None, "--model-bytes": a.model_bytes is not None,
             "--servers": a.servers is not None, "--algorithms": a.algorithms is not None,
             "--collective": a.collective not in (None, "allreduce"),
-            "--root": a.root is not None, "--plot": a.plot is not None, "--exact": a.exact}
+            "--root": a.root is not None, "--plot": a.plot is not None, "--exact": a.exact,
+            "--trace": getattr(a, "trace", None) is not None}
 
 
 def check_arguments(a) -> Optional[str]:
@@ -188,7 +194,16 @@ def _main(a) -> int:
         return _compare(a, topo)
     sizes = parse_sizes(a.sizes or "1K:1G")
     algos = _algorithms(a.algorithms, topo)
-    results = sweep(topo, a.collective, sizes, algos, root=a.root, exact=a.exact)
+    timeline = None
+    if getattr(a, "trace", None):
+        # the trace writer (minicomm.trace) is above the simulator: the minicomm command hands
+        # its class in (build_parser)
+        new_timeline = getattr(a, "new_timeline", None)
+        if new_timeline is None:
+            raise ValueError("--trace needs the minicomm command (minicomm sim ... --trace FILE)")
+        timeline = new_timeline()
+    results = sweep(topo, a.collective, sizes, algos, root=a.root, exact=a.exact,
+                    timeline=timeline)
     if a.json:
         print(json.dumps([r.to_dict() for r in results], indent=1))
     else:
@@ -197,17 +212,24 @@ def _main(a) -> int:
         plot(results, algos, a.plot, f"{a.collective} on {topo.name}, {topo.endpoints} ranks")
         if not a.json:
             print(f"wrote {a.plot}")
+    if timeline is not None:
+        timeline.write(a.trace, topology=topo.name, description=topo.describe())
+        if not a.json:
+            print(f"wrote {a.trace} ({timeline.calls} calls on {timeline.ranks} ranks, one after "
+                  f"another)")
     if not a.json:
         print(sweep_summary(topo, a.collective, results))
     return 0
 
 
 def sweep(topo: Topology, collective: str, sizes: Sequence[int], algos: Sequence[str],
-          root: int = 0, exact: bool = False) -> List[SimResult]:
+          root: int = 0, exact: bool = False, timeline=None) -> List[SimResult]:
+    """Every size x algorithm, simulated (each call's steps added to ``timeline``, if given)."""
     out = []
     for s in sizes:
         for algo in algos:
-            out.append(simulate(collective, algo, topo, nbytes=s, root=root, exact=exact))
+            out.append(simulate(collective, algo, topo, nbytes=s, root=root, exact=exact,
+                                timeline=timeline))
     return out
 
 

@@ -51,6 +51,7 @@ import numpy as np
 from ..algorithms import family
 from ..schedule import COLLECTIVES, Copy, Recv, Reduce, Schedule, Send, busbw_factor
 from .host import HostDeadlock, HostLink, HostModel, HostRun  # noqa: F401 (re-exported)
+from .timeline import modelled_steps
 from .topology import Fabric, Topology, default_placement
 
 SYMMETRY_MIN_RANKS = 32
@@ -447,6 +448,9 @@ class RunStats:
     link_bytes: np.ndarray
     events: int
     delivered: np.ndarray         # (M,) delivery time of every message
+    step_start: Optional[np.ndarray] = None   # (S,) when each step started (run_program)
+    step_end: Optional[np.ndarray] = None     # (S,) when it ended
+    step_local: Optional[np.ndarray] = None   # (S,) the time of its local ops
 
 
 # ---------------------------------------------------------------------------- the event loop
@@ -524,7 +528,8 @@ def run_program(prog: Program, topo: Topology, placement: np.ndarray, itemsize: 
         raise ScheduleError(f"the schedules deadlock: ranks {stuck.tolist()} wait for messages "
                             f"that are never sent (or for each other)")
     return RunStats(float(loop.rank_end.max()) if p else 0.0, loop.rank_end,
-                    loop.link_bytes[:loop.nl], loop.events, loop.delivered)
+                    loop.link_bytes[:loop.nl], loop.events, loop.delivered,
+                    loop.start, loop.end, loop.local)
 
 
 class _EventLoop:
@@ -562,6 +567,7 @@ class _EventLoop:
         self.msg_pair = msg_pair.reshape(-1)
         self.latest = np.full(S, -math.inf)          # latest completion of a step's ops so far
         self.start = np.full(S, math.nan)
+        self.end = np.full(S, math.nan)
         self.cur = prog.rank_first[:-1].copy()
         self.last = prog.rank_first[1:]
         self.next_start = np.where(self.cur < self.last, 0.0, math.inf)
@@ -601,6 +607,7 @@ class _EventLoop:
             return
         end = np.maximum(self.start[steps] + self.local[steps] + self.step_g[steps],
                          self.latest[steps])
+        self.end[steps] = end
         r = self.prog.step_rank[steps]
         nxt = steps + 1
         more = nxt < self.last[r]
@@ -787,12 +794,14 @@ def _result(collective, algorithm, topo, fab, p, count, itemsize, prog, stats, w
 def simulate(collective: str, algorithm: str, topo: Topology, nbytes: Optional[int] = None,
              *, count: Optional[int] = None, ranks: Optional[int] = None, root: int = 0,
              itemsize: int = 4, placement: Optional[Sequence[int]] = None,
-             exact: bool = False) -> SimResult:
+             exact: bool = False, timeline: Optional[Any] = None) -> SimResult:
     """Predict one call of ``collective`` with family ``algorithm`` on ``topo``.
 
     ``nbytes`` is the nccl-tests size (the whole buffer, see ``count_for_bytes``), or give the
     per-rank block ``count``; ``ranks`` defaults to every accelerator of the topology (or the
-    length of ``placement``). ``hier`` gets the node map of the placement."""
+    length of ``placement``). ``hier`` gets the node map of the placement. ``timeline``: the
+    call's modelled steps go to ``timeline.add`` (``minicomm.trace.SimulatedTrace``: the
+    simulator hands it ``timeline.modelled_steps`` and imports nothing of it)."""
     t0 = time.perf_counter()
     if placement is None:
         pl = default_placement(topo, ranks)
@@ -811,8 +820,12 @@ def simulate(collective: str, algorithm: str, topo: Topology, nbytes: Optional[i
                        tuple(int(e) // topo.gpus_per_server for e in pl), exact)
     fab = Fabric(topo)
     stats = run_program(prog, topo, pl, itemsize, fab)
-    return _result(collective, algorithm, topo, fab, p, int(count), itemsize, prog, stats,
-                   time.perf_counter() - t0)
+    res = _result(collective, algorithm, topo, fab, p, int(count), itemsize, prog, stats,
+                  time.perf_counter() - t0)
+    if timeline is not None:
+        timeline.add(collective, algorithm, int(count), itemsize, stats.time_s,
+                     modelled_steps(prog, stats, itemsize))
+    return res
 
 
 def simulate_schedules(scheds: Sequence[Any], topo: Topology,

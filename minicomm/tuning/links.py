@@ -22,6 +22,7 @@ import numpy as np
 from ..communicator import Communicator
 from ..cost import DELTA, SINGLE_COPY_MIN, SMALL_BYTES, LinkModel, schedule_time, table_index
 from ..settings import env_flag
+from ..trace import paused
 from .cache import _LINK_FIELDS, _MACHINE_FIELDS, load_links, load_table, save_links
 
 PROBE_BYTES = 1 << 20      # for β: one shm record, so a one-way hop is not pipelined
@@ -244,7 +245,8 @@ def agree_link_model(comm, intra: str, inter: str) -> LinkModel:
     want = comm.broadcast(want, root=0, algorithm="tree")
     values: Dict[str, float] = {}
     if want[0]:
-        values = _measure_links(comm, near, far, intra, inter)
+        with paused():            # the probes time the untraced paths the cache stands for
+            values = _measure_links(comm, near, far, intra, inter)
     if rank == 0:
         default = LinkModel.for_transports(intra, inter)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -292,9 +294,11 @@ def _pair(comm, peer: int, comm_id: int):
     """The two-rank communicator (world rank 0, ``peer``) over the world's transport. Only the two
     build it: unlike split(), the other ranks take no part."""
     ranks = (0, peer)
-    return Communicator(comm.transport, ranks.index(comm.rank), 2, group=ranks,
+    pair = Communicator(comm.transport, ranks.index(comm.rank), 2, group=ranks,
                         topology=[comm.topology[r] for r in ranks], comm_id=comm_id,
                         timeout=comm.timeout, link_model=comm.link_model, _owner=False)
+    pair.small_path = True        # as untraced calls run, even with MINICOMM_TRACE set
+    return pair
 
 
 def _measure_links(comm, near: Optional[int], far: Optional[int], intra: str,
