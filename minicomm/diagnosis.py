@@ -50,10 +50,9 @@ def _signature(c: dict) -> str:
 
 
 def _blocked(c: Optional[dict]) -> bool:
-    """A call the rank is stuck in: still running, or failed with a timeout (a collective: or
-    ended by another rank's failure notice)."""
-    return c is not None and (c["state"] == RUNNING or (c["state"] == FAILED and (
-        c["kind"] == "collective" or str(c.get("error") or "").startswith("CommTimeout"))))
+    """A call the rank was stuck in: still running, or ended by a failure (its own timeout, or
+    the peer it waited on ending first: in a deadlock the first rank to time out exits)."""
+    return c is not None and c["state"] in (RUNNING, FAILED)
 
 
 class _Comm:
@@ -90,7 +89,9 @@ def _dead(dumps: Dict[int, dict], exits: Dict[int, Optional[str]], size: int) ->
     for r in range(size):
         how = exits.get(r)
         doc = dumps.get(r)
-        own_error = doc is not None and str(doc.get("reason", "")).startswith(COMM_ERRORS)
+        own_error = doc is not None and (str(doc.get("reason", "")).startswith(COMM_ERRORS) or any(
+            str(c.get("error") or "").startswith(COMM_ERRORS)
+            for part in doc.get("communicators", ()) for c in part["calls"]))
         if how == FINISHED:
             continue
         if how is not None and not own_error:

@@ -354,11 +354,8 @@ def run_plan(plan: Plan, transport, bufs, kernel, tag: Tag, deadline: float, wha
     its ``step`` field is set per step. ``guard``: receives checked as they arrive, all of
     them before the call returns (``LazyCheck``). ``oversubscribed``: the transport's
     capability of that name (this node's ranks outnumber its cores: no helper threads).
-    With ``MINICOMM_TRACE`` set, ``_run_plan_traced`` runs it instead (minicomm.trace)."""
-    tracer = _trace.TRACER
-    if tracer is not None:
-        return _run_plan_traced(plan, transport, bufs, kernel, tag, deadline, what, guard,
-                                oversubscribed, tracer)
+    With ``MINICOMM_TRACE`` set, each step is clocked and the call traced (``_TracedCall``,
+    minicomm.trace)."""
     isend, irecv, wait_all = transport.isend, transport.irecv, transport.wait_all
     if guard is not None:
         def wait_all(reqs, dl, w):
@@ -367,15 +364,19 @@ def run_plan(plan: Plan, transport, bufs, kernel, tag: Tag, deadline: float, wha
     background = plan.background
     if background is not None and not _helpers_allowed(oversubscribed, bufs):
         background = None
+    tracer = _trace.TRACER            # None unless MINICOMM_TRACE: then a clock per step
+    clock = None if tracer is None else _TracedCall(tracer, transport.rank, plan, what, tag,
+                                                     bufs[1].itemsize)
     helper = joins = None
     try:
         i = -1
         for early, local, posts in plan.steps:
             i += 1
+            if clock is not None:
+                clock.begin(i)
             if early:
                 t = _new_tag(Tag, (comm, seq, i, call, count))
-                reqs = [isend(peer, bufs[b] if whole else bufs[b][lo:hi], t)
-                        for _, peer, b, lo, hi, whole, _, _ in early]
+                reqs = _post(early, bufs, kernel, t, isend, irecv, [])
             else:
                 reqs = None
             if local:
@@ -389,29 +390,29 @@ def run_plan(plan: Plan, transport, bufs, kernel, tag: Tag, deadline: float, wha
                 if reqs is None:
                     t = _new_tag(Tag, (comm, seq, i, call, count))
                     reqs = []
-                for is_send, peer, b, lo, hi, whole, red, fused in posts:
-                    view = bufs[b] if whole else bufs[b][lo:hi]
-                    if is_send:
-                        reqs.append(isend(peer, view, t))
-                    elif not red:
-                        reqs.append(irecv(peer, view, t))
-                    elif fused < 0:
-                        reqs.append(irecv(peer, view, t, kernel))
-                    else:
-                        src = bufs[0][fused:fused + hi - lo]
-                        reqs.append(irecv(peer, view, t, _InOp(kernel.ufunc, view, src)))
+                _post(posts, bufs, kernel, t, isend, irecv, reqs)
+            if clock is not None:
+                clock.posted()
             if reqs:
                 wait_all(reqs, deadline, what)
             if joins == i:
                 h, helper, joins = helper, None, None
                 h.join(deadline, what)
+            if clock is not None:
+                clock.end()
         if guard is not None:
             guard.finish(transport, deadline, what)
+    except BaseException as e:
+        if clock is not None:
+            clock.error = f"{type(e).__name__}: {e}"
+        raise
     finally:
         if helper is not None:
             # an error ended the call early: once it returns, nothing writes the caller's buffers
             # (a local copy ends; the bound only keeps this wait from being unbounded)
             helper.thread.join(max(HELPER_JOIN_S, deadline - time.monotonic()))
+        if clock is not None:
+            clock.write()
 
 
 def _post(posts, bufs, kernel, t: Tag, isend, irecv, reqs: list) -> list:
@@ -428,52 +429,6 @@ def _post(posts, bufs, kernel, t: Tag, isend, irecv, reqs: list) -> list:
             src = bufs[0][fused:fused + hi - lo]
             reqs.append(irecv(peer, view, t, _InOp(kernel.ufunc, view, src)))
     return reqs
-
-
-def _run_plan_traced(plan: Plan, transport, bufs, kernel, tag: Tag, deadline: float, what: str,
-                     guard: "LazyCheck | None", oversubscribed: bool, tracer) -> None:
-    """``run_plan`` with a clock around every step: the same posts, local ops, helper threads
-    and waits, in the same order; the call and its steps go to this rank's trace file as the
-    call returns (``_TracedCall``)."""
-    isend, irecv, wait_all = transport.isend, transport.irecv, transport.wait_all
-    if guard is not None:
-        def wait_all(reqs, dl, w):
-            guard.wait(transport, reqs, dl, w)
-    comm, seq, call, count = tag[0], tag[1], tag[3], tag[4]
-    background = plan.background
-    if background is not None and not _helpers_allowed(oversubscribed, bufs):
-        background = None
-    rec = _TracedCall(tracer, transport.rank, plan, what, tag, bufs[1].itemsize)
-    helper = joins = None
-    try:
-        for i, (early, local, posts) in enumerate(plan.steps):
-            rec.begin(i)
-            t = _new_tag(Tag, (comm, seq, i, call, count))
-            reqs = _post(early, bufs, kernel, t, isend, irecv, [])
-            if local:
-                if background is not None and background[i] >= 0 and \
-                        _local_bytes(local, bufs) >= BACKGROUND_MIN_BYTES:
-                    helper = _Helper(lambda local=local: _run_local(local, bufs, kernel))
-                    joins = background[i]
-                else:
-                    _run_local(local, bufs, kernel)
-            _post(posts, bufs, kernel, t, isend, irecv, reqs)
-            rec.posted()
-            if reqs:
-                wait_all(reqs, deadline, what)
-            if joins == i:
-                h, helper, joins = helper, None, None
-                h.join(deadline, what)
-            rec.end()
-        if guard is not None:
-            guard.finish(transport, deadline, what)
-    except BaseException as e:
-        rec.error = f"{type(e).__name__}: {e}"
-        raise
-    finally:
-        if helper is not None:
-            helper.thread.join(max(HELPER_JOIN_S, deadline - time.monotonic()))
-        rec.write()
 
 
 class _TracedCall:

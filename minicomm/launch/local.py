@@ -278,10 +278,9 @@ def _collect(procs, readers, world_size, on_failure, records: JobRecords):
         if first_failure_at is not None and on_failure == "end":
             limit = first_failure_at + FAILURE_GRACE
         if ask_at is not None and now >= ask_at:
-            ask_at = None
-            running = {r: procs[r].pid for r in range(world_size) if r not in finished}
-            if not records.ask(running) and limit is not None:
-                limit = now           # a hang, diagnosed: the rest never fail by themselves
+            ask_at = None             # a timeout: the diagnosis now, the grace period goes on
+            records.ask({r: procs[r].pid for r in range(world_size) if r not in finished})
+            _print_lines(_diagnosis(records, procs, failures, world_size))
         if limit is not None and now >= limit:
             for r in range(world_size):
                 if r not in finished:
@@ -324,6 +323,11 @@ def _collect(procs, readers, world_size, on_failure, records: JobRecords):
         _raise_spawn_error(failures, world_size, results,
                            _diagnosis(records, procs, failures, world_size))
     return results
+
+
+def _print_lines(lines: Sequence[str]) -> None:
+    sys.stderr.write("".join(f"{ln}\n" for ln in lines))
+    sys.stderr.flush()
 
 
 def _diagnosis(records: JobRecords, procs, failures, world_size: int) -> List[str]:
@@ -551,8 +555,7 @@ class _LocalJob:
         if self.records.owned:
             lines.append(f"diagnosis: the flight records are in {self.records.directory} "
                          f"(minicomm doctor {self.records.directory})")
-        sys.stderr.write("".join(f"{ln}\n" for ln in lines))
-        sys.stderr.flush()
+        _print_lines(lines)
         self.diagnosed = True
 
     def end(self) -> None:
