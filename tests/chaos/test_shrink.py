@@ -3,8 +3,9 @@ collective; the survivors ``agree`` and ``shrink``, and the next 20 collectives 
 communicator are correct.
 
 Each case is drawn from one seed: transport (shm or tcp), world size (3-5), the collective,
-algorithm and root, the victim, the outgoing message it dies at (``MINICOMM_FAULT=crash:N:how``)
-and how (SIGKILL, SIGTERM, os._exit). Every survivor catches its error (``PeerFailure``,
+algorithm and root, the victim, the outgoing message of the program it dies at (through
+``MINICOMM_FAULT=crash:N:how``, counted from the program's start, not the world's setup) and how
+(SIGKILL, SIGTERM, os._exit). Every survivor catches its error (``PeerFailure``,
 ``CommTimeout``, ``Revoked``), votes in ``agree`` with a flag of its own, shrinks, and runs 20
 collectives drawn from the seed, each checked against numpy. The job runs with
 ``on_failure="continue"``, so the launcher ends no survivor.
@@ -17,6 +18,7 @@ abstract socket of the job).
 CI runs ``CI_RUNS`` seeds. The long run: ``MINICOMM_SHRINK_RUNS=100 pytest tests/chaos/test_shrink.py``
 (seeds ``MINICOMM_SHRINK_SEED`` .. + RUNS - 1). A failure prints its seed and the rerun line.
 """
+import dataclasses
 import os
 import random
 import time
@@ -32,6 +34,7 @@ RUNS = int(os.environ.get("MINICOMM_SHRINK_RUNS") or CI_RUNS)
 FIRST = int(os.environ.get("MINICOMM_SHRINK_SEED") or 0)
 SEEDS = range(FIRST, FIRST + RUNS)
 AFTER_SHRINK = 20             # collectives on the shrunk communicator, each checked
+UNARMED = 10 ** 9             # MINICOMM_FAULT's crash count until the victim's program sets it
 
 
 def case(seed):
@@ -52,6 +55,11 @@ def case(seed):
 def rank_survive(comm, c):
     """Collectives until the victim's death breaks one; then agree, shrink, 20 more."""
     comm.timeout = TIMEOUT            # per wait, from here on (setup had SETUP_TIMEOUT)
+    if comm.rank == c["victim"]:
+        # its death counts from here: setup's messages (more of them when the link cache is
+        # cold) must not end the world before it exists, which no shrink can survive
+        t = comm.transport
+        t.spec = dataclasses.replace(t.spec, crash=t._sent + c["crash_at"])
     error = None
     try:
         for i in range(400):
@@ -73,7 +81,8 @@ def rank_survive(comm, c):
 
 
 def _run_case(c, monkeypatch):
-    monkeypatch.setenv("MINICOMM_FAULT", f"crash:{c['crash_at']}:{c['how']},ranks:{c['victim']}")
+    # armed far away here; the victim moves its death to crash_at messages into the program
+    monkeypatch.setenv("MINICOMM_FAULT", f"crash:{UNARMED}:{c['how']},ranks:{c['victim']}")
     from minicomm.launch import local
     started = time.monotonic()
     try:
