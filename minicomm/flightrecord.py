@@ -2,7 +2,7 @@
 
 Each communicator keeps a bounded ring (``MINICOMM_FLIGHT_RECORDS`` calls, default 2048; 0 turns
 it off) of its collectives and point-to-point calls. A record is a list, cheap to append on the
-hot path (``FIELDS`` names its slots): the call's number, kind, op, algorithm, count, dtype, root
+hot path (``FlightRecorder``'s doc has its slots): the call's number, kind, op, algorithm, count, dtype, root
 or peer, tag, state, entry and end times, and the error that ended it.
 
 States: ``queued`` (an ``async_op`` call not yet started; ``started`` once the communicator's
@@ -50,8 +50,6 @@ from .settings import env_int, env_path
 FORMAT = "minicomm-flight-record/1"
 DEFAULT_RECORDS = 2048
 DUMP_LOCK_S = 2.0             # a dump waits this long for another one in progress
-FIELDS = ("number", "kind", "op", "algorithm", "count", "dtype", "root", "peer", "tag", "state",
-          "entered", "ended", "error", "repeats", "earlier_seconds")
 NUMBER, WHAT, ENTERED, ENDED = range(4)      # a record's slots (FlightRecorder)
 QUEUED, STARTED, RUNNING, DONE, FAILED = "queued", "started", "entered", "done", "failed"
 COLLECTIVE, P2P = "collective", "p2p"

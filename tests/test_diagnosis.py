@@ -1,4 +1,4 @@
-"""The hang diagnosis (issue 36): the four cases, on records made by hand (each rule alone) and
+"""The hang diagnosis: the four cases, on records made by hand (each rule alone) and
 on real hung jobs of 4 ranks over shm and tcp, under ``mc.spawn`` and under ``minicomm run``,
 each named within the timeout plus 5 s; and ``minicomm doctor`` on a job's collected records."""
 import os

@@ -1,4 +1,4 @@
-"""Training that goes on (issue 35): elastic data-parallel training that shrinks, rolls back and
+"""Training that goes on: elastic data-parallel training that shrinks, rolls back and
 trains on when a worker dies, the parameter server's ``on_worker_failure="drop"`` (at the shard,
 with fake I/O, and in real processes), and ``minicomm demo --kill-worker``.
 

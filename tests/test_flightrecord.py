@@ -1,4 +1,4 @@
-"""The flight recorder (issue 36): what each communicator keeps of its calls, its bound, its
+"""The flight recorder: what each communicator keeps of its calls, its bound, its
 dumps (on demand, on SIGUSR1, on a failure), ``stats()`` and ``monitored_barrier``."""
 import json
 import os

@@ -65,7 +65,7 @@ def test_rate_shapes_goodput(netns_cluster):
             got = measure_goodput(c, "h1", "h2", seconds=2.0)
             # TCP payload over 1500-byte frames is 1448/1514 = 95.6% of the line rate: the upper
             # bound is the cap; the lower one only tells the two caps apart, since a probe that a
-            # loaded box stalls for half a second loses a quarter of a 2 s window (CI: 31 of 40)
+            # loaded box stalls for half a second loses a quarter of a 2 s window
             assert SHAPED_LOW * bits < got < 1.02 * bits, \
                 f"rate {rate}: measured {got / 1e6:.0f} Mbit/s"
         # Full duplex per host: two senders into h2 share h2's receive link (shaped on the

@@ -1,4 +1,4 @@
-"""Timelines (issue 36): MINICOMM_TRACE writes one Chrome trace per rank with every call and
+"""Timelines: MINICOMM_TRACE writes one Chrome trace per rank with every call and
 every schedule step; minicomm sim --trace writes the same events for the modelled cluster;
 minicomm trace merge joins them. The reference both are checked against is the schedule the
 algorithm builder makes for each rank."""

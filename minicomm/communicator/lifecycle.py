@@ -276,14 +276,14 @@ class Lifecycle:
         if self._flight is not None:
             self._flight.failed(e)
             if isinstance(e, DUMPED_ERRORS):
-                self._dump_flight(e)
+                self._dump_flight(f"{type(e).__name__}: {e}")
         self._break(e)
         raise e from None
 
-    def _dump_flight(self, e: BaseException) -> None:
-        """Dump the records of every communicator of this rank, with ``e`` as the reason."""
-        me = self.group[self.rank]
-        flightrecord.dump(f"{type(e).__name__}: {e}", flightrecord.recorders_of(me))
+    def _dump_flight(self, reason: str, directory: Optional[str] = None) -> list:
+        """Dump the records of every communicator of this rank; the paths written."""
+        return flightrecord.dump(reason, flightrecord.recorders_of(self.group[self.rank]),
+                                 directory)
 
     def _number(self, e: BaseException) -> None:
         """Prefix ``e``'s message with the number of the user's call it ended (counted from 1 on

@@ -46,8 +46,7 @@ class Observability:
         """
         if self._flight is None:
             return []
-        return flightrecord.dump("dump_flight_record()",
-                                 flightrecord.recorders_of(self.group[self.rank]), directory)
+        return self._dump_flight("dump_flight_record()", directory)
 
     def stats(self) -> List[Dict]:
         """What this communicator's calls did, per (kind, op, algorithm), busiest first.

@@ -46,7 +46,7 @@ class PointToPoint:
             received(rec, got)
         end(rec, error)
         if isinstance(error, (CommTimeout, PeerFailure)):
-            self._dump_flight(error)
+            self._dump_flight(f"{type(error).__name__}: {error}")
 
     def _p2p_deadline(self, timeout: Optional[float]) -> float:
         return time.monotonic() + (self.timeout if timeout is None else float(timeout))
