@@ -106,9 +106,9 @@ def _died_lines(comm: _Comm, dead: Dict[int, str]) -> List[str]:
     for k in sorted(set(dead) & set(comm.group)):
         seen = [(r, c) for r in comm.group if r not in dead
                 for c in [comm.last(r)] if c is not None and c["kind"] == "collective"
-                and c["state"] != DONE]
+                and c["number"] is not None and c["state"] != DONE]    # queued: no number yet
         if seen:
-            number = max(c["number"] for _, c in seen if c["number"] is not None)
+            number = max(c["number"] for _, c in seen)
             at = next(c for _, c in seen if c["number"] == number)
             where = (f"in or before {_call(at)}, the call "
                      f"{_ranks(r for r, c in seen if c['number'] == number)} were in")

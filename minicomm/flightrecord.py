@@ -180,7 +180,7 @@ def fields(what) -> tuple:
 
 
 def describe(rec: list) -> dict:
-    """A record as the dump's dict (FIELDS; times still monotonic)."""
+    """A record as the dump's dict (the module doc's fields; times still monotonic)."""
     kind, op, algorithm, count, dtype, root, peer, tag = fields(rec[WHAT])
     error = rec[6] if len(rec) > 6 else None
     if kind in (QUEUED, STARTED):

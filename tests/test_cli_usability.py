@@ -272,7 +272,7 @@ def test_demo_table_says_its_loss_is_over_the_training_split_and_has_a_legend(de
 
 
 def test_demo_prints_the_legend_under_the_table(demo_doc, monkeypatch, capsys):
-    monkeypatch.setattr(demo, "run_demo", lambda a, log=None: demo_doc)
+    monkeypatch.setattr(demo, "run_demo", lambda a, log=None, plan=None: demo_doc)
     assert demo.main(["--no-plots", "--steps", "30"]) == 0
     out = capsys.readouterr().out.splitlines()
     head = next(i for i, ln in enumerate(out) if ln.startswith("mode "))

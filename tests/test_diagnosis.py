@@ -81,6 +81,16 @@ def test_a_dead_rank_is_named_with_the_call_the_others_were_in():
                         "the call ranks 0, 2, 3 were in on the world")
 
 
+def test_a_dead_rank_while_the_others_only_queued_a_call_is_still_named():
+    queued = dict(_rec(None, "allreduce", "queued"), algorithm=None, count=None, dtype=None)
+    dumps = {r: _dump(r, [_rec(9, "allreduce", "done"), queued], "PeerFailure: rank 1 died")
+             for r in (0, 2, 3)}
+    lines = diagnose(dumps, {0: "exit status 1", 1: "killed by SIGKILL", 2: "exit status 1",
+                             3: "exit status 1"})
+    assert lines[0] == ("diagnosis: rank 1 died (killed by SIGKILL) while the others were not "
+                        "in a collective with it on the world")
+
+
 def test_without_a_launcher_a_missing_record_is_a_dead_rank():
     dumps = {r: _dump(r, [_timed_out(4)], "CommTimeout: x") for r in (0, 1, 2)}
     lines = diagnose(dumps)

@@ -364,6 +364,18 @@ def test_demo_rejects_bad_options(capsys):
     assert demo.main(["--workers", "3", "--modes", "single"]) == 2
     assert "multiple" in capsys.readouterr().err
     assert demo.main(["--modes", "single,warp"]) == 2
+    assert demo.main(["--batch", "4096", "--dataset", "synthetic", "--modes", "single"]) == 2
+    assert "exceeds the" in capsys.readouterr().err
+
+
+def test_demo_an_error_inside_a_run_is_not_called_a_usage_error(monkeypatch):
+    from minicomm.tools import demo
+
+    def broken(*args, **kwargs):
+        raise ValueError("max() arg is an empty sequence")
+    monkeypatch.setattr(demo, "execute", broken)
+    with pytest.raises(ValueError, match="empty sequence"):
+        demo.main(["--modes", "single", "--dataset", "synthetic", "--steps", "2", "--no-plots"])
 
 
 def test_progress_falls_back_to_a_plain_line(monkeypatch, capsys):

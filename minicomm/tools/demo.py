@@ -56,7 +56,7 @@ import sys
 import textwrap
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 from ..training.data import DATASETS, Dataset, load_dataset
 from ..training.data_parallel import DEFAULT_BUCKET_CAP, train_data_parallel
@@ -705,9 +705,18 @@ def config_from_args(a) -> TrainConfig:
     return TrainConfig(hidden=hidden, steps=a.steps, global_batch=a.batch, lr=a.lr, seed=a.seed)
 
 
-def run_demo(a, log=None) -> Dict[str, object]:
-    """Everything ``minicomm demo`` does except printing; returns the JSON document. Notes go
-    to ``log`` (default: stderr as it is at the call)."""
+class DemoPlan(NamedTuple):
+    """What ``minicomm demo`` will run, checked before anything runs."""
+    config: TrainConfig
+    specs: List[RunSpec]
+    skipped: List[str]
+    dataset: Dataset
+    kill: Optional[int]
+
+
+def plan_demo(a, log=None) -> DemoPlan:
+    """The runs the arguments ask for; ValueError naming the argument when they are wrong. Notes
+    go to ``log`` (default: stderr as it is at the call)."""
     log = sys.stderr if log is None else log
     config = config_from_args(a)
     if a.workers < 1 or a.servers < 1:
@@ -730,6 +739,16 @@ def run_demo(a, log=None) -> Dict[str, object]:
         print(f"minicomm demo: minicomm.ps is not importable here; skipping {', '.join(skipped)}",
               file=log)
     dataset = load_dataset(a.dataset, seed=config.seed)
+    if config.global_batch > len(dataset.y_train):
+        raise ValueError(f"--batch {config.global_batch} exceeds the {len(dataset.y_train)} "
+                         f"training samples of the {dataset.name} dataset")
+    return DemoPlan(config, specs, skipped, dataset, kill)
+
+
+def run_demo(a, log=None, plan: Optional[DemoPlan] = None) -> Dict[str, object]:
+    """Everything ``minicomm demo`` does except printing; returns the JSON document. ``plan``:
+    ``plan_demo(a, log)`` when not given."""
+    config, specs, skipped, dataset, kill = plan_demo(a, log) if plan is None else plan
     show = (not a.json) or sys.stderr.isatty()
     if not a.json:                        # stdout: the output says which data was used
         print(f"minicomm demo: {dataset.name} dataset ({len(dataset.y_train)} train / "
@@ -787,11 +806,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def main_from_args(a) -> int:
     start = time.perf_counter()
-    try:
-        doc = run_demo(a)
+    try:                                  # only the arguments' errors are usage errors
+        plan = plan_demo(a)
     except ValueError as e:
         print(f"minicomm demo: {e}", file=sys.stderr)
         return 2
+    doc = run_demo(a, plan=plan)
     if a.json:
         print(json.dumps(public_json(doc), allow_nan=False))
         return 0
