@@ -88,13 +88,14 @@ class FlightRecorder:
     identical calls neither allocate nor evict records."""
 
     __slots__ = ("calls", "comm_id", "rank", "size", "group", "p2p_calls", "directory",
-                 "__weakref__")
+                 "latest", "__weakref__")
 
     def __init__(self, capacity: int, comm_id: int, rank: int, group):
         self.calls: deque = deque(maxlen=capacity)
         self.comm_id, self.rank, self.group = comm_id, rank, tuple(group)
         self.size = len(self.group)
         self.p2p_calls = 0
+        self.latest: Optional[list] = None     # the newest record, unless it failed
         self.directory: Optional[str] = None   # where its dumps go (None: flight_dir())
         _recorders.add(self)
 
@@ -104,21 +105,21 @@ class FlightRecorder:
         rec = [number, (kind, op, algorithm, count, dtype, root, peer, tag), _monotonic(), None,
                1, 0.0]
         self.calls.append(rec)
+        self.latest = rec
         return rec
 
-    def repeat(self, number: int, call) -> list:
-        """A bound collective entered now: its record, the latest one's when that is the same
-        call and done (class doc)."""
-        calls = self.calls
-        if calls:
-            last = calls[-1]
-            if last[WHAT] is call and last[ENDED] is not None and len(last) == 6:
-                last[5] += last[ENDED] - last[ENTERED]
-                last[4] += 1
-                last[NUMBER], last[ENTERED], last[ENDED] = number, _monotonic(), None
-                return last
-        rec = [number, call, _monotonic(), None, 1, 0.0]
-        calls.append(rec)
+    def repeat(self, number: int, call, now: Optional[float] = None) -> list:
+        """A bound collective entered ``now`` (default: now): its record, the latest one's when
+        that is the same call and done (class doc; the small path inlines this)."""
+        now = _monotonic() if now is None else now
+        last = self.latest
+        if last is not None and last[WHAT] is call and last[ENDED] is not None:
+            last[5] += last[ENDED] - last[ENTERED]
+            last[4] += 1
+            last[NUMBER], last[ENTERED], last[ENDED] = number, now, None
+            return last
+        rec = self.latest = [number, call, now, None, 1, 0.0]
+        self.calls.append(rec)
         return rec
 
     def p2p(self, op: str, count, dtype, peer: int, tag: int) -> list:
@@ -138,6 +139,7 @@ class FlightRecorder:
                 world = getattr(error, "peer", None)
                 end(rec, error, self.group.index(world)
                     if isinstance(error, CommTimeout) and world in self.group else None)
+                self.latest = None          # a failed record is never repeated
                 return
 
     def snapshot(self) -> dict:
