@@ -2,9 +2,11 @@
 import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
-from minicomm.algorithms import build_all, build_schedule
+import minicomm as mc
+from minicomm.algorithms import build_all, build_schedule, hier
 from minicomm.algorithms.hier import INTER, INTRA, node_map
 from minicomm.schedule import COLLECTIVES, ROOTED, Copy
 from minicomm.verifier import VerificationError, verify
@@ -199,3 +201,120 @@ def test_ranks_disagreeing_on_the_node_map_are_rejected():
     b = build_all("allgather", "hier", 6, 3, 0, (0, 0, 1, 1, 2, 2))
     with pytest.raises(VerificationError):
         verify(a[:3] + b[3:])
+
+
+# ---------------------------------------------------------------- pipelined allreduce
+SMALL_SEGMENT = 4   # a PIPELINE_MIN_SEGMENT that pipelines counts a verifier proves quickly
+
+
+@pytest.fixture
+def small_segments(monkeypatch):
+    """Pipelining from SMALL_SEGMENT elements on; build through hier.build, not the cached
+    build_schedule, so no schedule built under the patch outlives it."""
+    monkeypatch.setattr(hier, "PIPELINE_MIN_SEGMENT", SMALL_SEGMENT)
+
+
+def equal_node_maps(p):
+    """Blocked and round-robin maps of m equal nodes, m = 2..8 dividing p (one rank per node
+    aside: that is the flat INTER schedule)."""
+    return [topo for m in range(2, 9) if p % m == 0 and m < p
+            for topo in (tuple(r // (p // m) for r in range(p)), tuple(r % m for r in range(p)))]
+
+
+def pipelined_counts(p, topo):
+    """Counts giving S = 2, 3 and 8 segments: shards shorter than a node, a padded last segment,
+    and whole multiples of the node size."""
+    L = p // len(set(topo))
+    return [2 * SMALL_SEGMENT + 1, 5 * L + 3, 32 * L]
+
+
+def build_hier_allreduce(p, n, topo):
+    return [hier.build("allreduce", r, p, n, 0, topo) for r in range(p)]
+
+
+def test_segment_rule_depends_on_the_count_alone():
+    seg = hier.PIPELINE_MIN_SEGMENT
+    assert [hier.pipeline_segments(n) for n in (0, 1, seg, 2 * seg - 1)] == [1, 1, 1, 1]
+    assert hier.pipeline_segments(2 * seg) == 2
+    assert hier.pipeline_segments(32 * seg) == hier.PIPELINE_MAX_SEGMENTS == 8
+    assert hier.pipeline_segments(1 << 40) == 8
+    rule = [hier.pipeline_segments(n) for n in range(0, 40 * seg, seg // 8)]
+    assert rule == sorted(rule)
+    for n in (2 * seg, 3 * seg + 5, 17 * seg - 1, 32 * seg + 7, 1 << 33):
+        for L in (2, 3, 8):
+            bounds = hier._segment_bounds(n, L, hier.pipeline_segments(n))
+            assert sum(ln for _, ln in bounds) == n and bounds[0][0] == 0
+            assert all(a + la == b for (a, la), (b, _) in zip(bounds, bounds[1:]))
+            assert all(ln % L == 0 for _, ln in bounds[:-1])
+            assert min(ln for _, ln in bounds) >= seg - L   # only L-rounding below the minimum
+
+
+@pytest.mark.parametrize("p", [4, 6, 8, 12, 16, 32, 64])
+def test_pipelined_allreduce_verified(p, small_segments):
+    maps = equal_node_maps(p)
+    assert maps
+    for topo in maps:
+        for n in pipelined_counts(p, topo):
+            assert hier.pipeline_segments(n) > 1
+            try:
+                verify(build_hier_allreduce(p, n, topo))
+            except VerificationError as e:
+                raise AssertionError(f"p={p} n={n} topology={topo}: {e}") from e
+
+
+def test_uneven_nodes_keep_the_unpipelined_allreduce(small_segments):
+    topo, n = (0, 0, 0, 1, 1, 2, 2, 2), 200
+    scheds = build_hier_allreduce(8, n, topo)
+    verify(scheds)
+    # reduce to the leader, allreduce among leaders, broadcast: as many steps as before
+    want = [s.comm_steps for s in [build_schedule("allreduce", "hier", r, 8, n, 0, topo)
+                                   for r in range(8)]]
+    assert [s.comm_steps for s in scheds] == want
+
+
+@pytest.mark.parametrize("p,m", [(8, 2), (12, 3), (16, 4)])
+def test_pipelined_phases_share_steps(p, m, small_segments):
+    """The point of pipelining: steps that talk inside the node and across nodes at once, and
+    fewer steps than the segments would take one after another."""
+    topo = tuple(r // (p // m) for r in range(p))
+    nm, n = node_map(topo), 64 * p
+    S = hier.pipeline_segments(n)
+    assert S == 8
+    for s in build_hier_allreduce(p, n, topo):
+        peers = [{nm.node_of[o.peer] == nm.node_of[s.rank] for o in st if hasattr(o, "peer")}
+                 for st in s.steps]
+        assert sum(kinds == {True, False} for kinds in peers) >= S - 1
+        seg_steps = build_schedule("allreduce", "hier", s.rank, p, n // S, 0, topo).comm_steps
+        assert s.comm_steps < S * seg_steps
+
+
+def test_pipelined_dropped_step_is_rejected(small_segments):
+    topo = (0, 0, 0, 1, 1, 1)
+    scheds = build_hier_allreduce(6, 64, topo)
+    victim = scheds[4]
+    mixed = next(k for k, st in enumerate(victim.steps) if len(st) > 3)
+    broken = replace(victim, steps=victim.steps[:mixed] + victim.steps[mixed + 1:])
+    with pytest.raises(VerificationError):
+        verify(scheds[:4] + [broken] + scheds[5:])
+
+
+def _pipelined_allreduce(comm, segment):
+    # spawn's ranks are fresh processes: patch before the first call, whose plan is cached
+    hier.PIPELINE_MIN_SEGMENT = segment
+    results = []
+    for n in (1000, 1001, 37):   # S = 8; a padded last segment; S = 4 with shards of one element
+        assert hier.pipeline_segments(n) > 1
+        x = np.arange(n, dtype=np.float64) * (comm.rank + 1) + comm.rank
+        results.append(comm.allreduce(x, algorithm="hier"))
+    return results
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_pipelined_allreduce_runs(transport):
+    p = 4
+    got = mc.spawn(_pipelined_allreduce, p, args=(SMALL_SEGMENT,), transport=transport, nodes=2,
+                   timeout=60)
+    for n, per_rank in zip((1000, 1001, 37), zip(*got)):
+        want = sum(np.arange(n, dtype=np.float64) * (r + 1) + r for r in range(p))
+        for r, res in enumerate(per_rank):
+            np.testing.assert_array_equal(res, want, err_msg=f"{transport} n={n} rank {r}")

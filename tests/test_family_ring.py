@@ -102,3 +102,50 @@ def test_reduce_scatter_wrong_local_block_is_rejected():
         scheds.append(dataclasses.replace(s, steps=steps))
     with pytest.raises(VerificationError, match="a mix of different elements"):
         verify(scheds)
+
+
+# ------------------------------------------------------------------------------ channels
+def _node_maps(p):
+    """One node, two equal nodes, nodes of 4 (the last one short), and uneven 2,2,rest."""
+    return sorted({(0,) * p, tuple(r * 2 // p for r in range(p)), tuple(r // 4 for r in range(p)),
+                   tuple(min(r // 2, 2) for r in range(p))})
+
+
+@pytest.mark.parametrize("collective", sorted(ring.CHANNELLED))
+@pytest.mark.parametrize("p", [2, 3, 5, 8, 12, 16, 32, 64])
+def test_channelled_rings_verify(collective, p):
+    counts = [0, 1, 5, 3 * p + 2] if p <= 16 else [p + 1]
+    for node_map in _node_maps(p) if p <= 16 else [tuple(r // 8 for r in range(p))]:
+        for k in (2, 3, 8):
+            for n in counts:
+                stats = verify(build_all(collective, "ring", p, n, 0, node_map, k))
+                assert stats["max_comm_steps"] == (expected_comm_steps(collective, p)
+                                                   if n else stats["max_comm_steps"])
+
+
+def test_each_channel_crosses_a_node_boundary_on_its_own_rail():
+    orders = ring.channel_orders(tuple(r // 8 for r in range(32)), 8)
+    for order in orders:
+        assert sorted(order) == list(range(32))
+        for a, b in zip(order, order[1:]):
+            if a // 8 != b // 8:                  # a node boundary: the same local index
+                assert a % 8 == b % 8
+    for node in range(4):                          # node i left on a different rank per channel
+        exits = [order[8 * node + 7] % 8 for order in orders]
+        assert sorted(exits) == list(range(8))
+
+
+def test_channels_split_the_data_and_keep_the_steps():
+    one = build_all("allreduce", "ring", 8, 64, 0, (0,) * 8)
+    four = build_all("allreduce", "ring", 8, 64, 0, (0,) * 8, 4)
+    assert [len(s.steps) for s in four] == [len(s.steps) for s in one]
+    sends = [o for st in four[0].steps for o in st if isinstance(o, Send)]
+    assert len(sends) == 4 * 14 and sum(o.count for o in sends) == 2 * 7 * 64 // 8
+
+
+def test_channels_are_refused_where_they_do_not_apply():
+    with pytest.raises(ValueError, match="only the ring family"):
+        build_all("allreduce", "rhd", 4, 8, 0, None, 2)
+    with pytest.raises(ValueError, match="channels must be an integer"):
+        build_all("allreduce", "ring", 4, 8, 0, None, 0)
+    assert build_all("broadcast", "ring", 4, 8, 0, None, 4) == build_all("broadcast", "ring", 4, 8)

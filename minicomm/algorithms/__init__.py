@@ -6,10 +6,12 @@ Every family module exposes
 
 for all nine collectives (broadcast, reduce, allreduce, allgather, reduce_scatter, gather,
 scatter, alltoall, barrier), any world size >= 1, any root, any count >= 0. ``topology`` is the
-node id of every rank (a tuple of length ``size``); flat families ignore it, ``hier`` uses it.
+node id of every rank (a tuple of length ``size``); flat families ignore it, ``hier`` uses it,
+and so does a channelled ``ring`` (its rail-aligned orders). ``channels``: ring's channel count
+(ring.py's doc); the other families take one channel.
 
 ``build_schedule`` is the cached entry point the communicator, the verifier CLI and the simulator
-use: one schedule per key (collective, algorithm, rank, size, count, root, topology).
+use: one schedule per key (collective, algorithm, rank, size, count, root, topology, channels).
 """
 from __future__ import annotations
 
@@ -34,19 +36,25 @@ def family(name: str):
 
 @lru_cache(maxsize=4096)
 def build_schedule(collective: str, algorithm: str, rank: int, size: int, count: int,
-                   root: int = 0, topology: Optional[Tuple[int, ...]] = None) -> Schedule:
+                   root: int = 0, topology: Optional[Tuple[int, ...]] = None,
+                   channels: int = 1) -> Schedule:
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}")
     if topology is None:
         topology = (0,) * size
-    sched = family(algorithm).build(collective, rank, size, count, root, tuple(topology))
+    module = family(algorithm)
+    if channels != 1 and module is not ring:
+        raise ValueError(f"channels={channels}: only the ring family takes channels")
+    sched = (module.build(collective, rank, size, count, root, tuple(topology), channels)
+             if channels != 1 else module.build(collective, rank, size, count, root,
+                                                tuple(topology)))
     if sched.algorithm != algorithm or sched.collective != collective:
         raise RuntimeError(f"{algorithm}.build returned a {sched.algorithm} {sched.collective} schedule")
     return sched
 
 
 def build_all(collective: str, algorithm: str, size: int, count: int, root: int = 0,
-              topology: Optional[Tuple[int, ...]] = None):
+              topology: Optional[Tuple[int, ...]] = None, channels: int = 1):
     """The schedules of every rank of one call (what the verifier and simulator consume)."""
-    return [build_schedule(collective, algorithm, r, size, count, root, topology)
+    return [build_schedule(collective, algorithm, r, size, count, root, topology, channels)
             for r in range(size)]

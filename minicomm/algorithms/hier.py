@@ -27,6 +27,22 @@ allreduce, equal nodes: INTRA reduce-scatter (shard c = ⌈n/L⌉, the vector pa
   does not divide n), INTER allreduce of shard i among the m ranks of local index i (all shards in
   parallel), INTRA allgather. T_ring(reduce_scatter, L, c) + T_rhd(allreduce, m, c) +
   T_ring(allgather, L, c) ≈ 2(L-1)α_intra + 2((L-1)/L)nβ_intra + T_rhd(allreduce, m, n/L).
+  Pipelined when S = min(PIPELINE_MAX_SEGMENTS, ⌊√(2n / PIPELINE_MIN_SEGMENT)⌋) > 1 (S depends on
+  n alone; S = 1, the schedule above, below 2·PIPELINE_MIN_SEGMENT elements; a segment is never
+  shorter than about PIPELINE_MIN_SEGMENT): the vector is cut into S segments of whole multiples
+  of L elements (the remainder, and so any padding, on the last) and segment j runs the three
+  phases above in slots j, j+1, j+2, so in one slot segment j's reduce-scatter, segment j-1's
+  inter-node allreduce and segment j-2's allgather share steps and the intra-node and inter-node
+  links work at once. Segments use disjoint parts of in, out and tmp. Every phase is placed by its
+  lockstep rounds (the Send and Recv of a message get one round, each rank's rounds increase:
+  rhd's fold-out ranks get gaps), and a slot is Λ = max(L-1, R) steps on every rank, R the most
+  rounds of the INTER allreduce over the shard groups; so every message sits at the same merged
+  step on both of its sides, merged streams match in FIFO order (in a step, segments in order) and
+  a step never waits on a peer that is out of step. Steps empty on a rank are dropped.
+  With B_intra = 2((L-1)/L)nβ_intra and B_inter the bandwidth term of T_rhd(allreduce, m, n/L):
+  T ≈ (S+2)Λα + (1 + 2/S)·B, where B lies between max(B_intra, B_inter) (per-step work of the two
+  levels balanced) and B_intra + B_inter (the unpipelined figure); the α term grows with S and the
+  fill/drain share 2/S falls, so the best S grows as √n, which is the rule above.
 allreduce, uneven nodes (shards would differ in number per node): INTRA reduce to the leader, INTER
   allreduce among leaders, INTRA broadcast. T_ring(reduce, L, n) + T_rhd(allreduce, m, n) +
   T_ring(broadcast, L, n).
@@ -56,19 +72,41 @@ barrier: INTRA gather of zero-length messages to the leader (the leader learns i
   INTER barrier among leaders, INTRA broadcast of zero-length messages (release).
   T_ring(gather, L, 0) + T_rhd(barrier, m) + T_ring(broadcast, L, 0).
 
-Communicating steps of a rank = the sum of the comm steps of the phases it takes part in.
+Communicating steps of a rank = the sum of the comm steps of the phases it takes part in (the
+pipelined allreduce aside: at most (S+2)Λ).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from math import isqrt
 from typing import Dict, List, Sequence, Tuple
 
-from ..schedule import IN, OUT, ROOTED, TMP, Copy, Schedule, ScheduleBuilder, Topology, embed
+from ..schedule import (
+    IN,
+    OUT,
+    ROOTED,
+    TMP,
+    Copy,
+    Op,
+    Recv,
+    Schedule,
+    ScheduleBuilder,
+    Send,
+    Step,
+    Topology,
+    chunk_bounds,
+    embed,
+)
 from . import rhd, ring
 
 INTRA = "ring"
 INTER = "rhd"
+
+# Pipelined allreduce (module doc): S = min(PIPELINE_MAX_SEGMENTS, ⌊√(2n / PIPELINE_MIN_SEGMENT)⌋)
+# segments; a segment of a pipelined call never has fewer than PIPELINE_MIN_SEGMENT elements.
+PIPELINE_MIN_SEGMENT = 4 * 1024 * 1024
+PIPELINE_MAX_SEGMENTS = 8
 
 Region = Tuple[str, int]   # (buffer, offset)
 
@@ -140,8 +178,14 @@ def _phase(b: ScheduleBuilder, coll: str, fam: str, group: Sequence[int], sub_ra
            count: int, sub_root: int, inb: Region, outb: Region) -> None:
     """Append the flat ``fam`` schedule of ``coll`` for ``group`` (this rank is group[sub_rank]),
     its ``in`` and ``out`` at the given regions, its scratch in a fresh part of ``tmp``."""
+    b.extend(_embedded(b, coll, fam, group, sub_rank, count, sub_root, inb, outb))
+
+
+def _embedded(b: ScheduleBuilder, coll: str, fam: str, group: Sequence[int], sub_rank: int,
+              count: int, sub_root: int, inb: Region, outb: Region) -> List[Step]:
+    """The steps ``_phase`` appends, returned instead (its scratch is allocated all the same)."""
     sub = _flat(coll, fam, sub_rank, len(group), count, sub_root)
-    b.extend(embed(sub, group, {IN: inb, OUT: outb, TMP: (TMP, b.alloc_tmp(sub.tmp_count))}))
+    return embed(sub, group, {IN: inb, OUT: outb, TMP: (TMP, b.alloc_tmp(sub.tmp_count))})
 
 
 _FLAT = {"ring": ring, "rhd": rhd}      # INTRA and INTER (the registry imports this module)
@@ -150,6 +194,52 @@ _FLAT = {"ring": ring, "rhd": rhd}      # INTRA and INTER (the registry imports 
 @lru_cache(maxsize=4096)
 def _flat(coll: str, fam: str, rank: int, size: int, count: int, root: int) -> Schedule:
     return _FLAT[fam].build(coll, rank, size, count, root, (0,) * size)
+
+
+@lru_cache(maxsize=1024)
+def _rounds(coll: str, fam: str, size: int, count: int, root: int) -> Tuple[Tuple[int, ...], ...]:
+    """The lockstep round of every step of every sub-rank of a flat schedule.
+
+    Rounds increase along each rank's steps, and a message's Send and Recv get the same round.
+    Placing every step at its round makes each message sit at one merged step on both of its
+    sides, so merged streams are matched in the same order and wait on nothing out of step (a
+    short rank, such as an rhd fold-out, gets gaps where its partner works alone).
+    """
+    scheds = [_flat(coll, fam, r, size, count, root) for r in range(size)]
+    rounds = [list(range(len(s.steps))) for s in scheds]
+    sends: Dict[Tuple[int, int], List[int]] = {}
+    recvs: Dict[Tuple[int, int], List[int]] = {}
+    for r, sched in enumerate(scheds):
+        for k, st in enumerate(sched.steps):
+            for o in st:
+                if isinstance(o, Send):
+                    sends.setdefault((r, o.peer), []).append(k)
+                elif isinstance(o, Recv):
+                    recvs.setdefault((o.peer, r), []).append(k)
+    pairs = [(a, ka, b, kb) for (a, b), ks in sends.items() for ka, kb in zip(ks, recvs[a, b])]
+    # Each pass only raises rounds, which are bounded for a deadlock-free schedule.
+    limit = sum(len(s.steps) for s in scheds) + 1
+    changed = True
+    while changed:
+        changed = False
+        for a, ka, b, kb in pairs:
+            top = max(rounds[a][ka], rounds[b][kb])
+            if rounds[a][ka] != top or rounds[b][kb] != top:
+                rounds[a][ka] = rounds[b][kb] = top
+                changed = True
+        for rr in rounds:
+            for k in range(1, len(rr)):
+                if rr[k] <= rr[k - 1]:
+                    rr[k] = rr[k - 1] + 1
+                    changed = True
+            if rr and rr[-1] > limit:
+                raise RuntimeError(f"{fam} {coll} on {size} ranks has no lockstep rounds")
+    return tuple(tuple(rr) for rr in rounds)
+
+
+def _span(coll: str, fam: str, size: int, count: int, root: int = 0) -> int:
+    """Rounds the flat schedule takes on its slowest sub-rank."""
+    return max((rr[-1] + 1 for rr in _rounds(coll, fam, size, count, root) if rr), default=0)
 
 
 def _copies(src: str, dst: str, moves, n: int) -> List[Copy]:
@@ -199,6 +289,9 @@ def _allreduce(b: ScheduleBuilder, pl: _Place, n: int) -> None:
             _phase(b, "allreduce", INTER, pl.leaders, pl.k, n, 0, (OUT, 0), src)
         _phase(b, "broadcast", INTRA, pl.node, pl.i, n, pl.lead, src, (OUT, 0))
         return
+    if pipeline_segments(n) > 1:
+        _allreduce_pipelined(b, pl, n)
+        return
     L = nm.lmax
     c = -(-n // L)
     padded = L * c
@@ -218,6 +311,63 @@ def _allreduce(b: ScheduleBuilder, pl: _Place, n: int) -> None:
     _phase(b, "allgather", INTRA, pl.node, pl.i, c, 0, total, res)
     if padded != n:
         b.step(Copy(TMP, res[1], OUT, 0, n))
+
+
+def pipeline_segments(count: int) -> int:
+    """Segments of the pipelined equal-nodes allreduce of ``count`` elements (module doc)."""
+    # The α cost grows with S and the fill/drain share of the bandwidth cost falls as 1/S: their
+    # sum is least near S ∝ √n.
+    return max(1, min(PIPELINE_MAX_SEGMENTS, isqrt(2 * count // max(1, PIPELINE_MIN_SEGMENT))))
+
+
+def _segment_bounds(n: int, L: int, segments: int) -> List[Tuple[int, int]]:
+    """(offset, length) of each segment: multiples of L elements, the remainder on the last, so
+    that only the last segment can need padding."""
+    bounds = [(L * off, L * ln) for off, ln in chunk_bounds(n // L, segments)]
+    off, ln = bounds[-1]
+    bounds[-1] = (off, ln + n % L)
+    return bounds
+
+
+def _allreduce_pipelined(b: ScheduleBuilder, pl: _Place, n: int) -> None:
+    """Equal-nodes allreduce in segments: segment j's reduce-scatter, inter-node allreduce and
+    allgather run in slots j, j+1, j+2, so the three phases of consecutive segments overlap."""
+    nm, L, m = pl.nm, pl.nm.lmax, pl.nm.m
+    bounds = _segment_bounds(n, L, pipeline_segments(n))
+    shards = [-(-ln // L) for _, ln in bounds]
+    reals = [[max(0, min(c, ln - i * c)) for i in range(L)] for c, (_, ln) in zip(shards, bounds)]
+    # One slot length for every rank of the world: every rank merges at the same step indices.
+    slot = max([_span("reduce_scatter", INTRA, L, c) for c in set(shards)]
+               + [_span("allgather", INTRA, L, c) for c in set(shards)]
+               + [_span("allreduce", INTER, m, x) for row in reals for x in set(row)])
+    merged: List[List[List[Op]]] = [[[] for _ in bounds] for _ in range((len(bounds) + 3) * slot)]
+
+    def place(at: int, j: int, steps: List[Step], rounds: Sequence[int]) -> None:
+        for st, rnd in zip(steps, rounds):
+            merged[at + rnd][j].extend(st)
+
+    peers = [g[pl.i] for g in nm.nodes]   # the ranks holding the same shard on every node
+    for j, ((off, ln), c) in enumerate(zip(bounds, shards)):
+        padded = L * c
+        vec = (IN, off)
+        if padded != ln:
+            vec = (TMP, b.alloc_tmp(padded))
+            # Pad with real values: they are reduced, then dropped. Local ops run first in a step.
+            merged[j * slot][j].append(Copy(IN, off, TMP, vec[1], ln))
+            for po in range(ln, padded, ln):
+                merged[j * slot][j].append(Copy(IN, off, TMP, vec[1] + po, min(ln, padded - po)))
+        shard, total = (TMP, b.alloc_tmp(c)), (TMP, b.alloc_tmp(c))
+        res = (OUT, off) if padded == ln else (TMP, b.alloc_tmp(padded))
+        phases = (("reduce_scatter", INTRA, pl.node, pl.i, c, vec, shard),
+                  ("allreduce", INTER, peers, pl.k, reals[j][pl.i], shard, total),
+                  ("allgather", INTRA, pl.node, pl.i, c, total, res))
+        for q, (coll, fam, group, me, cnt, src, dst) in enumerate(phases):
+            steps = _embedded(b, coll, fam, group, me, cnt, 0, src, dst)
+            place((j + q) * slot, j, steps, _rounds(coll, fam, len(group), cnt, 0)[me])
+        if padded != ln:
+            merged[(j + 3) * slot][j].append(Copy(TMP, res[1], OUT, off, ln))
+    for step in merged:
+        b.step(*(o for ops in step for o in ops))   # steps empty on this rank are dropped
 
 
 def _allgather(b: ScheduleBuilder, pl: _Place, n: int) -> None:

@@ -28,6 +28,16 @@ alltoall: pairwise shifts: at step k = 1..p-1 rank r sends block r+k to rank r+k
 barrier: a zero-length token goes from rank 0 round the ring back to rank 0 (then everyone has
   entered), and round again to release rank 1..p-2 (rank p-1 already learnt it on the first
   round). 2p-2 rounds, at most 4 steps per rank; (2p-2)α.
+
+Channels (``channels`` = k > 1; allreduce, allgather and reduce_scatter, whose every step sends
+and receives one chunk on both sides): NCCL's multi-ring. The data is split into k parts (each
+block's elements, for the blocked collectives), part c runs the 1-channel ring above over its
+own ring order (``channel_orders``), and step s of the call is step s of every channel, so the
+k rings move at once. A channel's order visits each node's ranks cyclically from a different
+entry point, so it leaves node i from the local rank it enters node i+1 at: the node boundary
+is crossed rail-aligned, on a different NIC per channel. Same steps as one ring; each message
+n/k: 2(p-1)α + 2((p-1)/p)nβ for allreduce when the k rings use disjoint inter-node links (β is
+then the per-node NIC total's), k messages per step per rank. The other collectives ignore k.
 """
 from __future__ import annotations
 
@@ -41,10 +51,92 @@ SEGMENT = 32768
 Region = Tuple[str, int]   # (buffer, offset)
 
 
-def build(collective: str, rank: int, size: int, count: int, root: int, topology) -> Schedule:
+CHANNELLED = frozenset({"allreduce", "allgather", "reduce_scatter"})
+
+
+def build(collective: str, rank: int, size: int, count: int, root: int, topology,
+          channels: int = 1) -> Schedule:
     b = ScheduleBuilder(collective, "ring", rank, size, count, root)
-    _BUILDERS[collective](b, rank, size, count, root)
+    k = used_channels(collective, size, count, channels)
+    if k == 1:
+        _BUILDERS[collective](b, rank, size, count, root)
+    else:
+        _channelled(b, collective, rank, size, count, channel_orders(tuple(topology), k))
     return b.build()
+
+
+def used_channels(collective: str, size: int, count: int, channels: int) -> int:
+    """The channels a call runs on: ``channels`` where the collective takes them (module doc),
+    never more than its elements, else 1."""
+    if not isinstance(channels, int) or isinstance(channels, bool) or channels < 1:
+        raise ValueError(f"channels must be an integer >= 1, got {channels!r}")
+    if collective not in CHANNELLED or size == 1:
+        return 1
+    return max(1, min(channels, count))
+
+
+def channel_orders(topology: Tuple[int, ...], channels: int) -> List[List[int]]:
+    """Each channel's ring order (ranks): nodes in order of their lowest rank, and inside node i
+    (ranks in rank order, L of them) channel c enters at local index (c*L//k - i) mod L and
+    goes up cyclically, leaving from the local index the next node is entered at."""
+    members: dict = {}
+    for r, node in enumerate(topology):
+        members.setdefault(node, []).append(r)
+    nodes = list(members.values())
+    orders = []
+    for c in range(channels):
+        order = []
+        for i, ranks in enumerate(nodes):
+            L = len(ranks)
+            entry = (c * L // channels - i) % L
+            order += [ranks[(entry + t) % L] for t in range(L)]
+        orders.append(order)
+    return orders
+
+
+def _channelled(b: ScheduleBuilder, collective: str, rank: int, p: int, n: int,
+                orders: List[List[int]]) -> None:
+    """Channel c runs the 1-channel ring on part c of every block over ``orders[c]``; the
+    call's step s is every channel's step s, in channel order (module doc)."""
+    streams = []
+    for c, (lo, part) in enumerate(chunk_bounds(n, len(orders))):
+        order = orders[c]
+        sub = ScheduleBuilder(collective, "ring", order.index(rank), p, part, 0)
+        _BUILDERS[collective](sub, sub.rank, p, part, 0)
+        tmp = b.alloc_tmp(sub.tmp_count)
+        streams.append([tuple(_to_channel(o, order, n, part, lo, tmp, collective) for o in st)
+                        for st in sub.steps])
+    for s in range(max(len(st) for st in streams)):
+        b.step(*(op for st in streams if s < len(st) for op in st[s]))
+
+
+def _to_channel(op, order: List[int], n: int, part: int, lo: int, tmp: int, collective: str):
+    """One op of a channel's ring, in the call's ranks and buffers: a region of a blocked
+    buffer (in of reduce_scatter, out of allgather) lies in one block of ``part`` elements, the
+    block of the rank at that place of the channel's order, elements lo.. of the call's block;
+    tmp is the channel's own region."""
+    blocked = {"allgather": OUT, "reduce_scatter": IN}.get(collective)
+
+    def where(buf: str, off: int, count: int) -> Tuple[str, int]:
+        if buf == TMP:
+            return buf, tmp + off
+        if buf != blocked:
+            return buf, lo + off
+        if count == 0:                # carries only ordering: any place in the buffer
+            return buf, 0
+        block = off // part
+        if (off + count - 1) // part != block:
+            raise AssertionError(f"a channel region crosses a block: {op!r}")
+        return buf, order[block] * n + lo + off - block * part     # block j is rank order[j]'s
+
+    if isinstance(op, (Send, Recv)):
+        buf, off = where(op.buf, op.offset, op.count)
+        if isinstance(op, Send):
+            return Send(order[op.peer], buf, off, op.count)
+        return Recv(order[op.peer], buf, off, op.count, op.reduce)
+    sb, so = where(op.src, op.src_offset, op.count)
+    db, do = where(op.dst, op.dst_offset, op.count)
+    return type(op)(sb, so, db, do, op.count)
 
 
 def _reduce_scatter_ring(b: ScheduleBuilder, rank: int, p: int, length: Callable[[int], int],

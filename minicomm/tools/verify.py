@@ -1,7 +1,9 @@
 """minicomm verify: the verifier run over the whole algorithm matrix, in a process pool.
 
 Every (collective, family, world size 1..max_world) cell is proved with ``minicomm.verifier``
-over roots, counts and, for hier, node maps; the matrix is printed. Lives with the tools: it
+over roots, counts and, for hier, node maps; a channelled collective's ring cell also with
+``CHANNEL_COUNTS`` channels over those node maps (its orders depend on them); the matrix is
+printed. Lives with the tools: it
 starts processes (``ProcessPoolExecutor``, ``--jobs`` of them, default one per core), which
 nothing below the launcher does.
 """
@@ -12,11 +14,12 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from ..algorithms import FAMILIES, build_schedule
+from ..algorithms import FAMILIES, build_schedule, ring
 from ..schedule import COLLECTIVES, ROOTED
 from ..verifier import verify
 
 EXHAUSTIVE_UP_TO = 16    # world sizes verified with every root, count and node map
+CHANNEL_COUNTS = (2, 3, 8)   # even, odd, and a DGX server's NICs
 
 
 def topologies_for(p: int, exhaustive: bool = False):
@@ -52,19 +55,24 @@ def verify_cell(args):
     cases = 0
     roots = roots_for(p, all_roots) if coll in ROOTED else [0]
     topos = topologies_for(p, all_roots) if fam == "hier" else [None]
+    variants = [(topo, 1) for topo in topos]
+    if fam == "ring" and coll in ring.CHANNELLED and p > 1:
+        variants += [(topo, k) for topo in topologies_for(p, all_roots) for k in CHANNEL_COUNTS]
     counts = [0] if coll == "barrier" else counts_for(p, all_roots)
     try:
-        for topo in topos:
+        for topo, k in variants:
             for n in counts:
                 for root in roots:
-                    scheds = [build_schedule(coll, fam, r, p, n, root, topo) for r in range(p)]
+                    scheds = [build_schedule(coll, fam, r, p, n, root, topo, k)
+                              for r in range(p)]
                     verify(scheds)
                     cases += 1
         build_schedule.cache_clear()
         return coll, fam, p, cases, None
     except Exception as e:   # reported in the matrix, with the failing case
         build_schedule.cache_clear()
-        return coll, fam, p, cases, f"p={p} topology={topo} count={n} root={root}: {type(e).__name__}: {e}"
+        return coll, fam, p, cases, (f"p={p} topology={topo} channels={k} count={n} root={root}: "
+                                     f"{type(e).__name__}: {e}")
 
 
 def run_matrix(max_world: int = 64, all_roots: bool = False, jobs: int = 0, out=None,
