@@ -249,6 +249,11 @@ SETTINGS: Tuple[Setting, ...] = (
             "collective:algorithm,...",
             "Fixes the algorithm per collective, e.g. `allreduce:ring,broadcast:tree` (a per-call "
             "`algorithm=` still wins).", _CHOICE),
+    Setting("MINICOMM_CHANNELS", "1", "integer >= 1",
+            "Rings of a ring allreduce, allgather or reduce_scatter: the data split over that "
+            "many rings at once, each with its own order (NCCL's channels). On one machine they "
+            "are concurrent streams; one stays the default here (docs/decisions/ring-channels.md).",
+            _CHOICE),
     Setting("MINICOMM_TUNE", "on", "flag",
             "Measure the links at world start (once per machine, then cached); off: the cost "
             "model's built-in constants.", _CHOICE),
@@ -326,3 +331,8 @@ SETTINGS: Tuple[Setting, ...] = (
             "How many of the first ranks serve in `ps.start(comm)`; the rest are workers.", _PS,
             "`minicomm run --servers`"),
 )
+
+
+def env_channels() -> int:
+    """MINICOMM_CHANNELS: the rings a ring collective that takes channels runs on."""
+    return env_int("MINICOMM_CHANNELS", 1, minimum=1)

@@ -55,3 +55,19 @@ def test_multidimensional_shapes_and_noncontiguous_input():
         assert g.shape == (comm.size, 2, 4)
         return True
     assert all(mc.spawn(fn, 4, transport="inproc"))
+
+
+@pytest.mark.parametrize("channels", [2, 4])
+@pytest.mark.parametrize("transport,p,nodes", [("shm", 2, 1), ("shm", 4, 2), ("tcp", 3, 1),
+                                               ("tcp", 4, 2)])
+def test_channelled_ring_matrix(transport, p, nodes, channels, monkeypatch):
+    monkeypatch.setenv("MINICOMM_CHANNELS", str(channels))
+    checks = mc.spawn(_run_channel_matrix, p, args=(channels,), transport=transport, nodes=nodes,
+                      timeout=120)
+    assert len(checks) == p and all(c == checks[0] and c > 0 for c in checks)
+
+
+def _run_channel_matrix(comm, channels):
+    assert comm.channels == channels
+    return matrix(comm, "ring", counts=(0, 1, 7, 2 * comm.size + 1, 1000),
+                  dtypes=("int32", "float64"), all_roots=False, every_op=False)

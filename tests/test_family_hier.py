@@ -304,6 +304,9 @@ def _pipelined_allreduce(comm, segment):
     results = []
     for n in (1000, 1001, 37):   # S = 8; a padded last segment; S = 4 with shards of one element
         assert hier.pipeline_segments(n) > 1
+        sched = build_schedule("allreduce", "hier", comm.rank, comm.size, n, 0, comm.topology)
+        assert any(len({comm.topology[o.peer] for o in st if hasattr(o, "peer")}) == 2
+                   for st in sched.steps), "no step talks inside and across nodes at once"
         x = np.arange(n, dtype=np.float64) * (comm.rank + 1) + comm.rank
         results.append(comm.allreduce(x, algorithm="hier"))
     return results

@@ -6,7 +6,7 @@ from typing import Dict, Optional, Sequence
 from ..cost import LinkModel, parse_algo_env
 from ..flightrecord import FlightRecorder, record_capacity
 from ..p2p import P2PEngine
-from ..settings import env_debug, env_timeout, timeout_arg
+from ..settings import env_channels, env_debug, env_timeout, timeout_arg
 from ..transports.base import Capabilities, capabilities_of
 from .buffers import Buffers
 from .calls import CACHE_ENTRIES, CallPlans
@@ -83,6 +83,7 @@ class Communicator(Collectives, ScatterHeader, ObjectCollectives, PointToPoint, 
         # collectives; "full" (MINICOMM_DEBUG=detail): a fingerprint exchange before every call.
         self.check = check or ("full" if debug == "detail" else "header")
         self._algo_env = parse_algo_env()
+        self.channels = env_channels()     # a ring's channel count (MINICOMM_CHANNELS)
         self._ctx = context(comm_id, COLL)
         capacity = record_capacity()
         self._flight = FlightRecorder(capacity, comm_id, rank, self.group) if capacity else None
