@@ -222,10 +222,10 @@ def equal_node_maps(p):
 
 
 def pipelined_counts(p, topo):
-    """Counts giving S = 2, 3 and 8 segments: shards shorter than a node, a padded last segment,
-    and whole multiples of the node size."""
+    """Counts giving S > 1: fewer elements than a large node has ranks (empty segments), a padded
+    last segment, and S = PIPELINE_MAX_SEGMENTS over whole multiples of the node size."""
     L = p // len(set(topo))
-    return [2 * SMALL_SEGMENT + 1, 5 * L + 3, 32 * L]
+    return [2 * SMALL_SEGMENT + 1, 5 * L + 3, L * -(-32 * SMALL_SEGMENT // L)]
 
 
 def build_hier_allreduce(p, n, topo):
@@ -254,7 +254,9 @@ def test_pipelined_allreduce_verified(p, small_segments):
     maps = equal_node_maps(p)
     assert maps
     for topo in maps:
-        for n in pipelined_counts(p, topo):
+        counts = pipelined_counts(p, topo)
+        assert hier.pipeline_segments(counts[-1]) == hier.PIPELINE_MAX_SEGMENTS
+        for n in counts:
             assert hier.pipeline_segments(n) > 1
             try:
                 verify(build_hier_allreduce(p, n, topo))
@@ -302,7 +304,7 @@ def _pipelined_allreduce(comm, segment):
     # spawn's ranks are fresh processes: patch before the first call, whose plan is cached
     hier.PIPELINE_MIN_SEGMENT = segment
     results = []
-    for n in (1000, 1001, 37):   # S = 8; a padded last segment; S = 4 with shards of one element
+    for n in (1000, 1001, 37):   # S = 8; S = 8 with a padded last segment; S = 4
         assert hier.pipeline_segments(n) > 1
         sched = build_schedule("allreduce", "hier", comm.rank, comm.size, n, 0, comm.topology)
         assert any(len({comm.topology[o.peer] for o in st if hasattr(o, "peer")}) == 2

@@ -114,7 +114,7 @@ def _node_maps(p):
 @pytest.mark.parametrize("collective", sorted(ring.CHANNELLED))
 @pytest.mark.parametrize("p", [2, 3, 5, 8, 12, 16, 32, 64])
 def test_channelled_rings_verify(collective, p):
-    counts = [0, 1, 5, 3 * p + 2] if p <= 16 else [p + 1]
+    counts = [0, 1, 5, 3 * p + 2, 8 * p + 5] if p <= 16 else [8 * p + 5]
     for node_map in _node_maps(p) if p <= 16 else [tuple(r // 8 for r in range(p))]:
         for k in (2, 3, 8):
             for n in counts:

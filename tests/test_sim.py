@@ -1103,3 +1103,39 @@ def test_a_wait_for_a_large_message_spins_through_its_copy_time():
     shared = _host(0.0, 0.0, beta, wake=wake, spin=50e-6, spin_rate=4e9, spin_max=1e-3,
                    cores=1)
     assert engine.run_host(prog, (0, 0), shared).time_s > t_long
+
+
+# ------------------------------------------------------------------ published figures
+def test_the_model_is_within_15_percent_of_every_published_figure():
+    from minicomm.sim import validation
+    found = validation.rows()
+    assert len(found) >= 7
+    for r in found:
+        assert abs(r.error) <= validation.TOLERANCE, (r.point.name, r.busbw, r.point.published)
+    assert validation.geometric_mean_error(found) < validation.MEAN_TOLERANCE
+    ring_points = [r for r in found if r.point.algorithm == "ring" and r.point.servers > 1]
+    assert all(r.channels == validation.machine(r.point).nics_per_server for r in ring_points)
+    doc = open(os.path.join(os.path.dirname(__file__), os.pardir, "docs", "guide",
+                            "simulator.md")).read()
+    assert validation.render_markdown(found) in doc      # the docs' table is this run's
+
+
+def test_a_channelled_ring_derived_by_rotation_is_the_built_one():
+    node_map = tuple(r // 8 for r in range(64))
+    for collective, count in (("allreduce", 64 * 8 * 5), ("allreduce", 64 * 8 * 5 + 37),
+                              ("allgather", 64 * 8 * 5), ("reduce_scatter", 64 * 8 * 3 + 11)):
+        fast = engine.program_for(collective, "ring", 64, count, 0, node_map, False, 8)
+        built = engine.program_for(collective, "ring", 64, count, 0, node_map, True, 8)
+        assert fast.derived_by == "channel rotation" and built.derived_by == "built"
+        for f in ("rank_first", "step_copy", "step_reduce", "step_staged", "msg_src", "msg_dst",
+                  "msg_count", "msg_reduce", "msg_send_step", "msg_recv_step"):
+            assert np.array_equal(getattr(fast, f), getattr(built, f)), (collective, f)
+
+
+def test_channels_use_every_nic_of_a_server():
+    t = presets.get_topology("dgx-a100", nodes=3)
+    one = simulate("allreduce", "ring", t, nbytes=1 << 30, channels=1)
+    eight = simulate("allreduce", "ring", t, nbytes=1 << 30)
+    assert eight.channels == 8 and one.channels == 1
+    assert one.busbw == pytest.approx(24, rel=0.05)            # one HDR NIC's 24 GB/s
+    assert eight.busbw > 6.5 * one.busbw                      # eight of them, minus α

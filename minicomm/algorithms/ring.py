@@ -67,12 +67,13 @@ def build(collective: str, rank: int, size: int, count: int, root: int, topology
 
 def used_channels(collective: str, size: int, count: int, channels: int) -> int:
     """The channels a call runs on: ``channels`` where the collective takes them (module doc),
-    never more than its elements, else 1."""
+    but no more than leave every channel an element per rank (as NCCL runs small calls on fewer
+    channels), else 1."""
     if not isinstance(channels, int) or isinstance(channels, bool) or channels < 1:
         raise ValueError(f"channels must be an integer >= 1, got {channels!r}")
     if collective not in CHANNELLED or size == 1:
         return 1
-    return max(1, min(channels, count))
+    return max(1, min(channels, count // size))
 
 
 def channel_orders(topology: Tuple[int, ...], channels: int) -> List[List[int]]:

@@ -61,10 +61,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sweep: draw busbw vs size per algorithm (matplotlib)")
     p.add_argument("--exact", action="store_true",
                    help="build every rank's schedule (no rank-symmetry shortcut)")
+    p.add_argument("--channels", type=int, default=None, metavar="K",
+                   help="rings of a ring allreduce / allgather / reduce_scatter (default: one "
+                        "per NIC of a server, as NCCL's)")
     p.add_argument("--trace", metavar="FILE",
                    help="sweep: write every simulated call's steps, rank by rank, as a Chrome "
                         "trace (the format MINICOMM_TRACE writes; open it in Perfetto)")
     q = p.add_argument_group("other questions (one at a time; without them: a size sweep)")
+    q.add_argument("--validate", action="store_true",
+                   help="the model against published nccl-tests figures: each point's source, "
+                        "setup, figure, the model's and the error")
     q.add_argument("--explain", action="store_true",
                    help="the GPT-3 traffic arithmetic (flat ring vs hier, the 89.6 TB figure)")
     q.add_argument("--architecture", choices=("allreduce", "ps"), default=None,
@@ -84,11 +90,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # the options each question uses (--topology, --nodes, --gpus, --json: every question)
 _USES = {
     "sweep": ("--sizes", "--algorithms", "--collective", "--root", "--plot", "--exact",
-              "--trace"),
-    "--compare-interconnects": ("--sizes", "--algorithms", "--collective", "--root", "--exact"),
+              "--trace", "--channels"),
+    "--compare-interconnects": ("--sizes", "--algorithms", "--collective", "--root", "--exact",
+                                "--channels"),
     "--architecture ps": ("--sizes", "--model-bytes", "--servers", "--algorithms"),
     "--advise": ("--model-bytes", "--servers", "--algorithms"),
     "--explain": (),
+    "--validate": (),
 }
 
 
@@ -97,13 +105,15 @@ def _given(a) -> Dict[str, bool]:
             "--servers": a.servers is not None, "--algorithms": a.algorithms is not None,
             "--collective": a.collective not in (None, "allreduce"),
             "--root": a.root is not None, "--plot": a.plot is not None, "--exact": a.exact,
-            "--trace": getattr(a, "trace", None) is not None}
+            "--trace": getattr(a, "trace", None) is not None,
+            "--channels": getattr(a, "channels", None) is not None}
 
 
 def check_arguments(a) -> Optional[str]:
     """Why these options do not go together (None when they do): one question per run, and
     only the options that question uses."""
-    asked = [q for q, on in (("--explain", a.explain), ("--advise", a.advise),
+    asked = [q for q, on in (("--explain", a.explain), ("--validate", a.validate),
+                             ("--advise", a.advise),
                              ("--compare-interconnects", a.compare_interconnects),
                              ("--architecture ps", a.architecture == "ps")) if on]
     if len(asked) > 1:
@@ -181,6 +191,8 @@ def _main(a) -> int:
     a.root = a.root or 0
     if a.collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {a.collective!r}; choose one of {', '.join(COLLECTIVES)}")
+    if a.validate:
+        return _validate(a)
     if a.explain:
         from .explain import explain
         text = explain(topo if (a.nodes or a.gpus) else None)
@@ -203,7 +215,7 @@ def _main(a) -> int:
             raise ValueError("--trace needs the minicomm command (minicomm sim ... --trace FILE)")
         timeline = new_timeline()
     results = sweep(topo, a.collective, sizes, algos, root=a.root, exact=a.exact,
-                    timeline=timeline)
+                    timeline=timeline, channels=a.channels)
     if a.json:
         print(json.dumps([r.to_dict() for r in results], indent=1))
     else:
@@ -223,14 +235,34 @@ def _main(a) -> int:
 
 
 def sweep(topo: Topology, collective: str, sizes: Sequence[int], algos: Sequence[str],
-          root: int = 0, exact: bool = False, timeline=None) -> List[SimResult]:
-    """Every size x algorithm, simulated (each call's steps added to ``timeline``, if given)."""
+          root: int = 0, exact: bool = False, timeline=None,
+          channels: Optional[int] = None) -> List[SimResult]:
+    """Every size x algorithm, simulated (each call's steps added to ``timeline``, if given;
+    ``channels``: the ring's, default the topology's)."""
     out = []
     for s in sizes:
         for algo in algos:
             out.append(simulate(collective, algo, topo, nbytes=s, root=root, exact=exact,
-                                timeline=timeline))
+                                timeline=timeline,
+                                channels=channels if algo == "ring" else None))
     return out
+
+
+def _validate(a) -> int:
+    from . import validation
+    found = validation.rows()
+    if a.json:
+        print(json.dumps([{"point": r.point.name, "setup": r.point.setup,
+                           "source": r.point.source, "published_busbw": list(r.point.published),
+                           "busbw": r.busbw, "algorithm": r.algorithm, "channels": r.channels,
+                           "error": r.error} for r in found], indent=1))
+        return 0
+    print(validation.render_markdown(found))
+    worst = max(found, key=lambda r: abs(r.error))
+    print(f"Summary: {len(found)} published figures; the model is within "
+          f"{100 * abs(worst.error):.1f}% of each (worst: {worst.point.name}), geometric-mean "
+          f"error {100 * validation.geometric_mean_error(found):.1f}%.")
+    return 0
 
 
 def winners(results: Sequence[SimResult]) -> List[Tuple[int, str, float]]:
@@ -314,6 +346,10 @@ def render_table(topo: Topology, collective: str, results: Sequence[SimResult],
              f"# {collective}, {p} ranks, one per accelerator. size: the whole buffer (as "
              f"nccl-tests counts it); count: its float32 elements; time: one call; busbw: "
              f"nccl-tests bus bandwidth, GB/s (1 GB = 1e9 B)"]
+    rings = sorted({r.channels for r in results if r.algorithm == "ring"})
+    if rings and rings != [1]:
+        lines.append(f"# ring: {'/'.join(map(str, rings))} channels (rings at once, each "
+                     f"crossing the servers on its own NIC; --channels to change)")
     head = (f"{'size':>8} {'count':>11}"
             + "".join(f" {a + ' time':>13} {'busbw GB/s':>10}" for a in algos))
     lines.append(head + "   winner")
@@ -664,7 +700,8 @@ def _compare(a, topo: Topology) -> int:
         t = topo.replace(nic_link=link(name), switch_latency=sw, name=f"{topo.name}+{name}")
         for s in sizes:
             for algo in algos:
-                r = simulate(a.collective, algo, t, nbytes=s, root=a.root, exact=a.exact)
+                r = simulate(a.collective, algo, t, nbytes=s, root=a.root, exact=a.exact,
+                             channels=a.channels if algo == "ring" else None)
                 d = r.to_dict()
                 d["interconnect"] = label
                 d["requested_bytes"] = s

@@ -17,7 +17,8 @@ Timing rules (what a step costs), per rank, steps in order:
     recomputed whenever a flow starts or ends;
   - a send completes when its message is delivered; a receive when its message is delivered, a
     reducing one γ per byte later (``reduce_overlap``: the reduction runs while the data arrives,
-    so it ends at max(delivery, arrival start + γ·bytes), and never before T + L + γ·bytes);
+    so it ends at max(delivery, arrival start + γ·bytes), and never before T + L + γ·bytes; a
+    copy staging its local operand is then part of that kernel: no δ of its own);
   - the step ends when all of its sends and receives completed; the call ends with its last rank.
 Messages between one ordered pair match in FIFO order (checked: an unmatched send or receive, or a
 count mismatch, raises ``ScheduleError``; a cycle of waits raises it too).
@@ -35,6 +36,10 @@ spread sample of ranks are exactly rank 0's with every peer rotated (peer + r mo
 (peer ^ r), derives the others that way. ``exact=True`` builds every rank (the tests check that
 both give identical programs).
 
+A program of ``LARGE_PROGRAM_MESSAGES`` messages or more (8 channels of a ring on 512 ranks)
+merges instants within ``LARGE_PROGRAM_RESOLUTION`` (1 us) instead of 1 ns: a few percent early
+there, measured against the fine resolution; ``exact=True`` keeps 1 ns.
+
 Restrictions: see topology.py (no packet-level effects, ideal ECMP). The time of local ops is
 serial per step; several reducing receives of one step reduce in parallel.
 """
@@ -48,8 +53,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..algorithms import family
-from ..schedule import COLLECTIVES, Copy, Recv, Reduce, Schedule, Send, busbw_factor
+from ..algorithms import family, ring
+from ..schedule import COLLECTIVES, Copy, Recv, Reduce, Schedule, Send, busbw_factor, chunk_bounds
 from .host import HostDeadlock, HostLink, HostModel, HostRun  # noqa: F401 (re-exported)
 from .timeline import modelled_steps
 from .topology import Fabric, Topology, default_placement
@@ -58,6 +63,11 @@ SYMMETRY_MIN_RANKS = 32
 # Instants closer than this are one event: ranks whose times differ by a few bytes' worth of
 # transfer would otherwise each be an event of their own (an error of at most this per event).
 RESOLUTION = 1e-9
+# Programs this large (a channelled ring on hundreds of ranks) merge instants within a
+# microsecond: ranks a switch hop apart desynchronise a ring into an event per rank and step
+# otherwise (docs/decisions/simulator-speed.md has the error against RESOLUTION); --exact keeps it.
+LARGE_PROGRAM_MESSAGES = 4_000_000
+LARGE_PROGRAM_RESOLUTION = 1e-6
 PROGRAM_CACHE_SIZE = 16
 BLOCKED = ("allgather", "gather", "reduce_scatter", "scatter", "alltoall")
 
@@ -101,7 +111,9 @@ class Program:
     send_ptr: np.ndarray          # (S+1,) CSR: messages sent by step s
     recv_order: np.ndarray = None  # (M,) message ids in receive-op order (by step, op order)
     recv_ptr: np.ndarray = None    # (S+1,) CSR into recv_order: messages received by step s
-    derived_by: str = "built"     # "built" | "rotation" | "xor"
+    step_staged: np.ndarray = None  # (S,) of step_copy: copies that stage a reducing receive's
+                                    # local operand (its region, its step): a fused kernel's
+    derived_by: str = "built"     # "built" | "rotation" | "xor" | "channel rotation"
     calls: int = 1                # calls back to back (``repeat_program``): rank r's steps are
                                   # ``calls`` equal runs, each one call
     build_s: float = 0.0
@@ -127,23 +139,25 @@ class _RankArrays:
     r_peer: np.ndarray
     r_count: np.ndarray
     r_reduce: np.ndarray
+    staged: np.ndarray
 
     def same_as(self, o: "_RankArrays") -> bool:
         return (self.nsteps == o.nsteps and all(
             np.array_equal(getattr(self, f), getattr(o, f))
             for f in ("copy", "reduce", "s_step", "s_peer", "s_count", "r_step", "r_peer",
-                      "r_count", "r_reduce")))
+                      "r_count", "r_reduce", "staged")))
 
     def mapped(self, fn) -> "_RankArrays":
         return _RankArrays(self.nsteps, self.copy, self.reduce, self.s_step, fn(self.s_peer),
                            self.s_count, self.r_step, fn(self.r_peer), self.r_count,
-                           self.r_reduce)
+                           self.r_reduce, self.staged)
 
 
 def _rank_arrays(steps: Sequence[Sequence[Any]], p: int, rank: int) -> _RankArrays:
     n = len(steps)
     copy = np.zeros(n, dtype=np.int64)
     red = np.zeros(n, dtype=np.int64)
+    staged = np.zeros(n, dtype=np.int64)
     sends: List[Tuple[int, int, int]] = []
     recvs: List[Tuple[int, int, int, bool]] = []
     for k, st in enumerate(steps):
@@ -155,6 +169,9 @@ def _rank_arrays(steps: Sequence[Sequence[Any]], p: int, rank: int) -> _RankArra
                 recvs.append((k, o.peer, o.count, o.reduce))
             elif t is Copy:
                 copy[k] += o.count
+                if any(type(q) is Recv and q.reduce and (q.buf, q.offset, q.count)
+                       == (o.dst, o.dst_offset, o.count) for q in st):
+                    staged[k] += o.count
             elif t is Reduce:
                 red[k] += o.count
             else:
@@ -165,7 +182,7 @@ def _rank_arrays(steps: Sequence[Sequence[Any]], p: int, rank: int) -> _RankArra
         if peers.size and (peers.min() < 0 or peers.max() >= p):
             raise ScheduleError(f"rank {rank}: a peer outside 0..{p - 1}")
     return _RankArrays(n, copy, red, s[:, 0], s[:, 1], s[:, 2], r[:, 0], r[:, 1], r[:, 2],
-                       r[:, 3].astype(bool))
+                       r[:, 3].astype(bool), staged)
 
 
 def _assemble(ranks: Sequence[_RankArrays], p: int) -> Program:
@@ -175,10 +192,12 @@ def _assemble(ranks: Sequence[_RankArrays], p: int) -> Program:
     ns = np.array([len(a.s_step) for a in ranks], dtype=np.int64)
     nr = np.array([len(a.r_step) for a in ranks], dtype=np.int64)
     cat = lambda f: np.concatenate([getattr(a, f) for a in ranks]) if ranks else np.zeros(0)  # noqa: E731
-    return _program(p, first, cat("copy"), cat("reduce"),
+    prog = _program(p, first, cat("copy"), cat("reduce"),
                     np.repeat(np.arange(p), ns), cat("s_peer"), cat("s_step") + np.repeat(first[:-1], ns),
                     cat("s_count"), np.repeat(np.arange(p), nr), cat("r_peer"),
                     cat("r_step") + np.repeat(first[:-1], nr), cat("r_count"), cat("r_reduce"))
+    prog.step_staged = cat("staged").astype(np.float64)
+    return prog
 
 
 def _program(p, first, copy, red, s_rank, s_peer, s_step, s_count, r_rank, r_peer, r_step,
@@ -330,6 +349,7 @@ def repeat_program(prog: Program, calls: int) -> Program:
                    cat([new_step(prog.msg_send_step, c) for c in range(calls)]),
                    cat([new_step(prog.msg_recv_step, c) for c in range(calls)]),
                    cat([_recv_rank(prog) + c * M for c in range(calls)]))
+    out.step_staged = tile(_staged(prog), calls)[order]
     out.derived_by = prog.derived_by
     out.calls = prog.calls * calls
     return out
@@ -349,8 +369,8 @@ def guarded_program(prog: Program, count: int) -> Program:
     np.cumsum(nsteps + 2, out=first[1:])
     moved = first[prog.step_rank] + 1 + (np.arange(prog.steps) - prog.rank_first[prog.step_rank])
     S = int(first[-1])
-    copy, red = np.zeros(S), np.zeros(S)
-    copy[moved], red[moved] = prog.step_copy, prog.step_reduce
+    copy, red, staged = np.zeros(S), np.zeros(S), np.zeros(S)
+    copy[moved], red[moved], staged[moved] = prog.step_copy, prog.step_reduce, _staged(prog)
     a, b = np.nonzero(~np.eye(p, dtype=bool))        # fingerprint a -> b, every ordered pair
     M = prog.messages
     out = _matched(p, first, copy, red, np.concatenate([a, prog.msg_src]),
@@ -360,17 +380,114 @@ def guarded_program(prog: Program, count: int) -> Program:
                    np.concatenate([first[a], moved[prog.msg_send_step]]),
                    np.concatenate([first[b + 1] - 1, moved[prog.msg_recv_step]]),
                    np.concatenate([np.arange(len(a)) + M, _recv_rank(prog)]))
+    out.step_staged = staged
     out.derived_by = prog.derived_by
     out.calls = prog.calls
     return out
 
 
+def _staged(prog: Program) -> np.ndarray:
+    return np.zeros(prog.steps) if prog.step_staged is None else prog.step_staged
+
+
 _programs: "OrderedDict[Tuple, Program]" = OrderedDict()
 
 
+def _merged(parts: Sequence[_RankArrays]) -> _RankArrays:
+    """One rank's channels as one schedule: step s is every channel's step s, channel by
+    channel (ring.py's channels), so messages keep (step, channel) order."""
+    n = max(a.nsteps for a in parts)
+    copy, red, staged = (np.zeros(n, np.int64) for _ in range(3))
+    for a in parts:
+        copy[:a.nsteps] += a.copy
+        red[:a.nsteps] += a.reduce
+        staged[:a.nsteps] += a.staged
+    cat = lambda f: np.concatenate([getattr(a, f) for a in parts])  # noqa: E731
+    s_step, r_step = cat("s_step"), cat("r_step")
+    so, ro = np.argsort(s_step, kind="stable"), np.argsort(r_step, kind="stable")
+    return _RankArrays(n, copy, red, s_step[so], cat("s_peer")[so], cat("s_count")[so],
+                       r_step[ro], cat("r_peer")[ro], cat("r_count")[ro], cat("r_reduce")[ro],
+                       staged)
+
+
+def _rotated_ring(collective: str, p: int, count: int, flat: Tuple[int, ...]
+                  ) -> Optional[Callable[[int], "_RankArrays"]]:
+    """Rank v's arrays of the 1-channel ring from rank 0's real schedule: every peer rotated by
+    v and, where chunks differ in length (count not a multiple of p), every message and copy
+    carrying chunk (c + v) mod p's length instead of chunk c's (a ring message carries one
+    chunk, found by its offset). Checked against the real schedules of a sample of ranks; None
+    when they differ."""
+    sched = ring.build(collective, 0, p, count, 0, flat)
+    zero = _rank_arrays(sched.steps, p, 0)
+    bounds = chunk_bounds(count, p)
+    lengths = np.array([n for _, n in bounds], dtype=np.int64)
+    chunk_at = {o: c for c, (o, n) in enumerate(bounds) if n}
+    uneven = collective == "allreduce" and lengths.min() != lengths.max()
+    if uneven:
+        if lengths.min() == 0:
+            return None
+        ops = [(k, o) for k, st in enumerate(sched.steps) for o in st]
+        try:
+            s_chunk = np.array([chunk_at[o.offset] for _, o in ops if type(o) is Send])
+            r_chunk = np.array([chunk_at[o.offset] for _, o in ops if type(o) is Recv])
+            c_step = np.array([k for k, o in ops if type(o) is Copy], dtype=np.int64)
+            c_chunk = np.array([chunk_at[o.dst_offset] for _, o in ops if type(o) is Copy])
+        except KeyError:
+            return None
+        if len(set(c_step.tolist())) != len(c_step) or zero.reduce.any():
+            return None
+
+    def rank(v: int) -> _RankArrays:
+        a = zero.mapped(lambda x: (x + v) % p)
+        if not uneven:
+            return a
+        copy = np.zeros(a.nsteps, np.int64)
+        copy[c_step] = lengths[(c_chunk + v) % p]
+        staged = np.where(a.staged > 0, copy, 0)
+        return _RankArrays(a.nsteps, copy, a.reduce, a.s_step, a.s_peer,
+                           lengths[(s_chunk + v) % p], a.r_step, a.r_peer,
+                           lengths[(r_chunk + v) % p], a.r_reduce, staged)
+
+    for v in _symmetric_samples(p):
+        if not rank(v).same_as(_rank_arrays(ring.build(collective, v, p, count, 0, flat).steps,
+                                            p, v)):
+            return None
+    return rank
+
+
+def _channelled_ring(collective: str, p: int, count: int, node_map: Tuple[int, ...],
+                     channels: int) -> Optional[Program]:
+    """The program of a channelled ring built from one real schedule per channel part: each
+    channel is the 1-channel ring over its order, and that ring is rank-symmetric (rank v's
+    schedule is rank 0's with every peer rotated by v, checked on a sample), so rank r of
+    channel c is rank 0's arrays with peer x -> order_c[(x + v) % p], v = r's place in order_c.
+    None when a part's ring is not symmetric (the caller builds every rank)."""
+    orders = ring.channel_orders(node_map, channels)
+    flat = (0,) * p
+    base: Dict[int, Callable[[int], _RankArrays]] = {}
+    for _, part in chunk_bounds(count, channels):
+        if part not in base:
+            base[part] = _rotated_ring(collective, p, part, flat)
+            if base[part] is None:
+                return None
+    places = [np.argsort(order) for order in orders]
+    real = [np.asarray(order, dtype=np.int64) for order in orders]
+    ranks = []
+    for r in range(p):
+        parts = []
+        for c, (_, part) in enumerate(chunk_bounds(count, channels)):
+            v = int(places[c][r])
+            parts.append(base[part](v).mapped(lambda x, c=c: real[c][x]))
+        ranks.append(_merged(parts))
+    prog = _assemble(ranks, p)
+    prog.derived_by = "channel rotation"
+    return prog
+
+
 def program_for(collective: str, algorithm: str, p: int, count: int, root: int = 0,
-                node_map: Optional[Tuple[int, ...]] = None, exact: bool = False) -> Program:
-    """The compiled schedules of one call (cached)."""
+                node_map: Optional[Tuple[int, ...]] = None, exact: bool = False,
+                channels: int = 1) -> Program:
+    """The compiled schedules of one call (cached); ``channels``: ring's (ring.py)."""
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
     if p < 1:
@@ -382,22 +499,28 @@ def program_for(collective: str, algorithm: str, p: int, count: int, root: int =
     node_map = tuple(node_map) if node_map is not None else (0,) * p
     if len(node_map) != p:
         raise ValueError(f"node map names {len(node_map)} ranks, not {p}")
-    key = (collective, algorithm, p, count, root, node_map, exact)
+    fam = family(algorithm)       # raises ValueError for an unknown algorithm
+    if channels != 1 and fam is not ring:
+        raise ValueError(f"channels={channels}: only the ring family takes channels")
+    channels = ring.used_channels(collective, p, count, channels) if fam is ring else 1
+    key = (collective, algorithm, p, count, root, node_map, exact, channels)
     prog = _programs.get(key)
     if prog is not None:
         _programs.move_to_end(key)
         return prog
-    fam = family(algorithm)       # raises ValueError for an unknown algorithm
 
     def build(r: int) -> Schedule:
-        s = fam.build(collective, r, p, count, root, node_map)
+        s = (fam.build(collective, r, p, count, root, node_map, channels) if channels > 1
+             else fam.build(collective, r, p, count, root, node_map))
         if s.algorithm != algorithm or s.collective != collective:
             raise ScheduleError(f"{algorithm}.build returned a {s.algorithm} {s.collective} schedule")
         return s
 
     t0 = time.perf_counter()
     prog = None
-    if not exact and p >= SYMMETRY_MIN_RANKS:
+    if not exact and channels > 1 and p >= SYMMETRY_MIN_RANKS:
+        prog = _channelled_ring(collective, p, count, node_map, channels)
+    elif not exact and p >= SYMMETRY_MIN_RANKS:
         prog = _try_symmetry(build, p, node_map)
     if prog is None:
         prog = _assemble([_rank_arrays(build(r).steps, p, r) for r in range(p)], p)
@@ -428,6 +551,7 @@ class SimResult:
     events: int = 0
     wall_s: float = 0.0
     derived_by: str = "built"
+    channels: int = 1             # the rings of a channelled ring (ring.py)
     link_bytes_by_kind: Dict[str, float] = field(default_factory=dict, repr=False)
     rank_end: Optional[np.ndarray] = field(default=None, repr=False)
 
@@ -438,7 +562,7 @@ class SimResult:
                 "busiest_link": self.busiest_link,
                 "busiest_link_bytes": self.busiest_link_bytes,
                 "busiest_link_utilisation": self.busiest_link_utilisation,
-                "messages": self.messages, "steps": self.steps}
+                "messages": self.messages, "steps": self.steps, "channels": self.channels}
 
 
 @dataclass
@@ -546,7 +670,8 @@ class _EventLoop:
         self.overlap = topo.reduce_overlap
         self.nbytes = prog.msg_count * itemsize
         self.g_msg = np.where(prog.msg_reduce, self.nbytes * topo.gamma, 0.0)
-        self.local = (prog.step_copy * topo.delta + prog.step_reduce * topo.gamma) * itemsize
+        copied = prog.step_copy - (_staged(prog) if topo.reduce_overlap else 0.0)
+        self.local = (copied * topo.delta + prog.step_reduce * topo.gamma) * itemsize
         self.step_g = np.zeros(S)
         if M:
             np.maximum.at(self.step_g, prog.msg_recv_step, self.g_msg)
@@ -794,12 +919,15 @@ def _result(collective, algorithm, topo, fab, p, count, itemsize, prog, stats, w
 def simulate(collective: str, algorithm: str, topo: Topology, nbytes: Optional[int] = None,
              *, count: Optional[int] = None, ranks: Optional[int] = None, root: int = 0,
              itemsize: int = 4, placement: Optional[Sequence[int]] = None,
-             exact: bool = False, timeline: Optional[Any] = None) -> SimResult:
+             exact: bool = False, timeline: Optional[Any] = None,
+             channels: Optional[int] = None) -> SimResult:
     """Predict one call of ``collective`` with family ``algorithm`` on ``topo``.
 
     ``nbytes`` is the nccl-tests size (the whole buffer, see ``count_for_bytes``), or give the
     per-rank block ``count``; ``ranks`` defaults to every accelerator of the topology (or the
-    length of ``placement``). ``hier`` gets the node map of the placement. ``timeline``: the
+    length of ``placement``). ``hier`` gets the node map of the placement, and so does a
+    channelled ring: ``channels`` (ring only; default ``topo.channels``, one ring per NIC, as
+    NCCL's default). ``timeline``: the
     call's modelled steps go to ``timeline.add`` (``minicomm.trace.SimulatedTrace``: the
     simulator hands it ``timeline.modelled_steps`` and imports nothing of it)."""
     t0 = time.perf_counter()
@@ -816,12 +944,18 @@ def simulate(collective: str, algorithm: str, topo: Topology, nbytes: Optional[i
         if nbytes is None:
             raise TypeError("give nbytes or count")
         count = count_for_bytes(collective, int(nbytes), p, itemsize)
-    prog = program_for(collective, algorithm, p, int(count), root,
-                       tuple(int(e) // topo.gpus_per_server for e in pl), exact)
+    if channels is None:
+        channels = topo.channels if algorithm == "ring" else 1
+    node_map = tuple(int(e) // topo.gpus_per_server for e in pl)
+    prog = program_for(collective, algorithm, p, int(count), root, node_map, exact, channels)
     fab = Fabric(topo)
-    stats = run_program(prog, topo, pl, itemsize, fab)
+    coarse = not exact and prog.messages >= LARGE_PROGRAM_MESSAGES
+    stats = run_program(prog, topo, pl, itemsize, fab,
+                        LARGE_PROGRAM_RESOLUTION if coarse else RESOLUTION)
     res = _result(collective, algorithm, topo, fab, p, int(count), itemsize, prog, stats,
                   time.perf_counter() - t0)
+    if algorithm == "ring":
+        res.channels = ring.used_channels(collective, p, int(count), channels)
     if timeline is not None:
         timeline.add(collective, algorithm, int(count), itemsize, stats.time_s,
                      modelled_steps(prog, stats, itemsize))

@@ -100,8 +100,8 @@ def explain(topo: Optional[Topology] = None, simulate_calls: bool = True) -> str
     if simulate_calls:
         out("")
         out("Simulated (the real schedules on the topology; sizes rounded to a multiple of p "
-            "elements):")
-        count = int(S // 4 // p) * p
+            "elements per ring channel):")
+        count = int(S // 4 // (p * topo.channels)) * p * topo.channels
         how = "simulated"
         for algo in ("ring", "hier"):
             r = simulate("allreduce", algo, topo, count=count)

@@ -35,7 +35,9 @@ What is modelled
   (NCCL's credits, MPI's large-message protocol); False: eager, as soon as it is sent.
 - compute: ``gamma`` s per reduced byte, ``delta`` s per copied byte on an accelerator;
   ``reduce_overlap``: a reducing receive's reduction runs while its data arrives (GPU kernels, as
-  NCCL does) instead of after it.
+  NCCL does) instead of after it, and a copy that only stages that reduction's local operand
+  (into the receive's region, in its step: ring's reduce-scatter) is part of the same kernel,
+  which reads the local input itself, so it costs nothing of its own.
 
 Restrictions: every server is alike; links are full duplex (independent directions); no congestion
 control dynamics, no packet loss, no protocol switching (one per-message α and an effective
@@ -138,6 +140,11 @@ class Topology:
     @property
     def endpoints(self) -> int:
         return self.servers * self.gpus_per_server
+
+    @property
+    def channels(self) -> int:
+        """A ring's default channel count: one per NIC of a server (NCCL's rings per NIC)."""
+        return self.nics_per_server
 
     @property
     def leaf_servers(self) -> int:
