@@ -141,8 +141,9 @@ def test_flags_that_do_not_go_together_are_a_usage_error(capsys, argv):
 
 
 def test_sim_output_defines_its_symbols_and_gives_units():
-    out = _sim(["--advise", "--model-bytes", "1G", "--gpus", "64", "--topology", "dgx-h100"])
-    line = next(ln for ln in out.splitlines() if "k = n" in ln)
+    out = _sim(["--advise", "--model-bytes", "1G", "--gpus", "64", "--topology", "dgx-h100",
+                "--algorithms", "tree,rhd,hier"])
+    line = next(ln for ln in out.splitlines() if ln.startswith("server-count crossover"))
     for sym in ("n = ", "M = ", "B = ", "t = ", "t_intra = "):
         assert sym in line, (sym, line)
     assert not re.search(r"busiest NIC \d+\.\d+ out", out), out
@@ -167,20 +168,27 @@ def test_every_link_of_every_preset_is_named_in_words():
             assert not re.search(r"\bacc \d|NIC \d+\.\d+|^\w+ \d+$", words), (name, words)
 
 
-def _advise_json(gpus):
+def _advise_json(gpus, *more):
     return json.loads(_sim(["--advise", "--model-bytes", "1G", "--gpus", str(gpus),
-                            "--topology", "dgx-h100", "--json"]))
+                            "--topology", "dgx-h100", "--json", *more]))
+
+
+NOT_RING = ("--algorithms", "tree,rhd,hier")   # a ring on one channel per NIC beats them both
 
 
 def test_advise_says_why_its_winner_flips():
-    """64 GPUs (8 servers): hier, whose inter-server phase is recursive halving/doubling, is
-    bandwidth-optimal and wins; 56 GPUs (7 servers): 7 = 4 + 3, the 3 extra servers fold into a
-    partner, whose NIC then carries (2(4-1)/4 + 1) c against the minimum 2(7-1)/7 c for a shard c
-    — the colocated PS, which needs no power of two, wins. The reason is printed with that ratio."""
-    out64 = _sim(["--advise", "--model-bytes", "1G", "--gpus", "64", "--topology", "dgx-h100"])
-    out56 = _sim(["--advise", "--model-bytes", "1G", "--gpus", "56", "--topology", "dgx-h100"])
-    assert _advise_json(64)["winner"] == "hier"
-    assert _advise_json(56)["winner"].startswith("ps-colocated")
+    """Without the ring (which, on a channel per NIC, wins both cases): 64 GPUs (8 servers):
+    hier, whose inter-server phase is recursive halving/doubling, is bandwidth-optimal and wins;
+    56 GPUs (7 servers): 7 = 4 + 3, the 3 extra servers fold into a partner, whose NIC then
+    carries (2(4-1)/4 + 1) c against the minimum 2(7-1)/7 c for a shard c — the colocated PS,
+    which needs no power of two, wins. The reason is printed with that ratio."""
+    assert _advise_json(64)["winner"] == _advise_json(56)["winner"] == "ring"
+    out64 = _sim(["--advise", "--model-bytes", "1G", "--gpus", "64", "--topology", "dgx-h100",
+                  *NOT_RING])
+    out56 = _sim(["--advise", "--model-bytes", "1G", "--gpus", "56", "--topology", "dgx-h100",
+                  *NOT_RING])
+    assert _advise_json(64, *NOT_RING)["winner"] == "hier"
+    assert _advise_json(56, *NOT_RING)["winner"].startswith("ps-colocated")
     why64 = [ln for ln in out64.splitlines() if ln.startswith("why")]
     why56 = [ln for ln in out56.splitlines() if ln.startswith("why")]
     assert why64 and why56

@@ -60,6 +60,17 @@ POINTS: Tuple[Point, ...] = (
           "https://github.com/NVIDIA/nccl/issues/1368 (ring about 190 GB/s from 1 MB to 1 GB)",
           (190.0, 190.0), "dgx-h100", 5, "1GiB", changes={"nics_per_server": 4},
           nic="roce-400"),
+    Point("2 x 8 A100, 4 x HDR (user run)",
+          "HGX A100 SXM 80GB, 4 x ConnectX-6 HDR 200G per node, 2 nodes, 1-8 GiB (8 GiB here)",
+          "user measurement, https://github.com/NVIDIA/nccl-tests/issues/100 (91 GB/s; the "
+          "maintainers' target for 4 x HDR is 4 x 24 = 96 GB/s, nccl-tests#119)",
+          (91.0, 91.0), "dgx-a100", 2, "8GiB", changes={"nics_per_server": 4}),
+    Point("4 x 8 H100, 8 x 400G (user run)",
+          "HGX H100, 8 GPU-NIC pairs of 400G per node, 4 nodes, the sweep's largest busbw (8 "
+          "GiB here)",
+          "user measurement, https://github.com/NVIDIA/nccl-tests/issues/309 (365.84 GB/s; "
+          "NVIDIA gives up to about 396 GB/s for such nodes with the ring, nccl-tests#319)",
+          (365.84, 365.84), "dgx-h100", 4, "8GiB"),
     Point("DGX-H100 one node",
           "8 x H100 SXM, NVSwitch (NVLink4), one node, 8 GiB",
           "NCCL developer, https://github.com/NVIDIA/nccl-tests/issues/212 (365-370 GB/s)",
