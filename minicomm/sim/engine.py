@@ -38,7 +38,7 @@ both give identical programs).
 
 A program of ``LARGE_PROGRAM_MESSAGES`` messages or more (8 channels of a ring on 512 ranks)
 merges instants within ``LARGE_PROGRAM_RESOLUTION`` (1 us) instead of 1 ns: a few percent early
-there, measured against the fine resolution; ``exact=True`` keeps 1 ns.
+(docs/decisions/simulator-speed.md); ``exact=True`` keeps 1 ns.
 
 Restrictions: see topology.py (no packet-level effects, ideal ECMP). The time of local ops is
 serial per step; several reducing receives of one step reduce in parallel.

@@ -1,14 +1,14 @@
 """The simulator against published multi-node and single-node figures (``minicomm sim --validate``).
 
-Each ``Point`` is one public figure: what was measured (collective, busbw as nccl-tests reports
-it), on what (its ``setup``, and the preset with the changes that make it that machine), where it
+Each ``Point`` is one public figure: what it is (collective, busbw as nccl-tests reports it),
+on what (its ``setup``, and the preset with the changes that make it that machine), where it
 was published (``source``) and, for a rule rather than a measurement, how the figure follows from
 the rule. ``rows()`` simulates every point with minicomm's own schedules: the ring on one channel
 per NIC (NCCL's default) for the ring figures, the fastest family for the all-to-all rule. The
 error of a point is the model's busbw against the middle of the published range.
 
-Left out on purpose: runs the maintainers call misconfigured in those threads (a missing GPU
-Direct RDMA, NICs on the wrong NUMA node), and NCCL's tree figures: minicomm's tree is a binomial
+Left out on purpose: runs the maintainers call misconfigured in those threads, and NCCL's tree
+figures: minicomm's tree is a binomial
 tree, not NCCL's pipelined double binary tree, so a tree figure would compare two algorithms.
 """
 from __future__ import annotations
@@ -94,6 +94,7 @@ POINTS: Tuple[Point, ...] = (
 
 @dataclass
 class Row:
+    """A point and the model's figure for it."""
     point: Point
     algorithm: str
     channels: int
@@ -115,6 +116,7 @@ def machine(point: Point):
 
 
 def simulate_point(point: Point) -> Row:
+    """The model's figure for ``point``: its algorithm, or the fastest family."""
     topo = machine(point)
     nbytes = parse_size(point.size)
     families = [point.algorithm] if point.algorithm else list(FAMILIES)
@@ -125,6 +127,7 @@ def simulate_point(point: Point) -> Row:
 
 
 def rows(points: Sequence[Point] = POINTS) -> List[Row]:
+    """Every point simulated, in order."""
     return [simulate_point(p) for p in points]
 
 
