@@ -73,15 +73,18 @@ POINTS: Tuple[Point, ...] = (
           (365.84, 365.84), "dgx-h100", 4, "8GiB"),
     Point("DGX-H100 one node",
           "8 x H100 SXM, NVSwitch (NVLink4), one node, 8 GiB",
-          "NCCL developer, https://github.com/NVIDIA/nccl-tests/issues/212 (365-370 GB/s)",
+          "365-370 GB/s as the issue gives it; NCCL developer: an effective 370 GB/s with the "
+          "ring, https://github.com/NVIDIA/nccl-tests/issues/212",
           (365.0, 370.0), "dgx-h100", 1, "8GiB"),
     Point("DGX-A100 one node",
           "8 x A100 SXM, NVSwitch (NVLink3), one node, 8 GiB",
-          "https://github.com/NVIDIA/nccl/issues/1712 (231.6 GB/s)",
+          "231.6 GB/s as the issue gives it (its run not found); NVIDIA: 'close to 240 GB/s', "
+          "https://github.com/NVIDIA/nccl/issues/1712",
           (231.6, 231.6), "dgx-a100", 1, "8GiB"),
     Point("8 x H100 PCIe, one node",
           "8 x H100 PCIe 5.0 x16 under one CPU root, no NVLink, one node, 1 GiB",
-          "vendor blog (alayanew.com, nccl-tests on 8 x H100 PCIe: 37.6-41.1 GB/s)",
+          "37.6-41.1 GB/s as the issue gives it; 35-45 GB/s in a vendor blog (alayanew.com, "
+          "nccl-tests on 8 x H100 PCIe), not NVIDIA",
           (37.6, 41.1), "pcie-8gpu", 1, "1GiB"),
     Point("All-to-all across 4 DGX-H100 (rule)",
           "8 x H100 per node, 8 x NDR 400G (47 GB/s each), 4 nodes, 1 GiB; the rule: busbw = "
