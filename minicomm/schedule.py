@@ -313,6 +313,28 @@ class ScheduleBuilder:
 BufMap = Dict[str, Tuple[str, int]]   # sub-schedule buffer name -> (outer buffer, base offset)
 
 
+def concurrent(placed: Iterable[Tuple[int, Step]]) -> List[Step]:
+    """Streams of steps run at once: each step placed at an index of the merged schedule, whose
+    step k holds every op placed at k, in the order placed (what ring's channels and hier's
+    pipeline do); indices nothing was placed at are dropped.
+
+    Args:
+        placed (Iterable[tuple]): ``(index, step)`` pairs.
+
+    Returns:
+        (list): The merged steps, by index.
+
+    Examples:
+        >>> a, b = Send(1, IN, 0, 2), Recv(1, OUT, 0, 2)
+        >>> concurrent([(0, (a,)), (0, (b,)), (3, (a,))])
+        [(Send(peer=1, buf='in', offset=0, count=2), Recv(peer=1, buf='out', offset=0, count=2, reduce=False)), (Send(peer=1, buf='in', offset=0, count=2),)]
+    """
+    slots: Dict[int, List[Op]] = {}
+    for k, step in placed:
+        slots.setdefault(k, []).extend(step)
+    return [tuple(slots[k]) for k in sorted(slots)]
+
+
 def embed(sub: Schedule, group: Sequence[int], bufmap: BufMap) -> List[Step]:
     """Translate a schedule built for a sub-group into steps of the enclosing schedule.
 

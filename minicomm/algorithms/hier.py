@@ -88,7 +88,6 @@ from ..schedule import (
     ROOTED,
     TMP,
     Copy,
-    Op,
     Recv,
     Schedule,
     ScheduleBuilder,
@@ -96,6 +95,7 @@ from ..schedule import (
     Step,
     Topology,
     chunk_bounds,
+    concurrent,
     embed,
 )
 from . import rhd, ring
@@ -340,11 +340,7 @@ def _allreduce_pipelined(b: ScheduleBuilder, pl: _Place, n: int) -> None:
     slot = max([_span("reduce_scatter", INTRA, L, c) for c in set(shards)]
                + [_span("allgather", INTRA, L, c) for c in set(shards)]
                + [_span("allreduce", INTER, m, x) for row in reals for x in set(row)])
-    merged: List[List[List[Op]]] = [[[] for _ in bounds] for _ in range((len(bounds) + 3) * slot)]
-
-    def place(at: int, j: int, steps: List[Step], rounds: Sequence[int]) -> None:
-        for st, rnd in zip(steps, rounds):
-            merged[at + rnd][j].extend(st)
+    placed: List[Tuple[int, Step]] = []        # segment by segment: concurrent keeps that order
 
     peers = [g[pl.i] for g in nm.nodes]   # the ranks holding the same shard on every node
     for j, ((off, ln), c) in enumerate(zip(bounds, shards)):
@@ -353,9 +349,9 @@ def _allreduce_pipelined(b: ScheduleBuilder, pl: _Place, n: int) -> None:
         if padded != ln:
             vec = (TMP, b.alloc_tmp(padded))
             # Pad with real values: they are reduced, then dropped. Local ops run first in a step.
-            merged[j * slot][j].append(Copy(IN, off, TMP, vec[1], ln))
+            placed.append((j * slot, (Copy(IN, off, TMP, vec[1], ln),)))
             for po in range(ln, padded, ln):
-                merged[j * slot][j].append(Copy(IN, off, TMP, vec[1] + po, min(ln, padded - po)))
+                placed.append((j * slot, (Copy(IN, off, TMP, vec[1] + po, min(ln, padded - po)),)))
         shard, total = (TMP, b.alloc_tmp(c)), (TMP, b.alloc_tmp(c))
         res = (OUT, off) if padded == ln else (TMP, b.alloc_tmp(padded))
         phases = (("reduce_scatter", INTRA, pl.node, pl.i, c, vec, shard),
@@ -363,11 +359,11 @@ def _allreduce_pipelined(b: ScheduleBuilder, pl: _Place, n: int) -> None:
                   ("allgather", INTRA, pl.node, pl.i, c, total, res))
         for q, (coll, fam, group, me, cnt, src, dst) in enumerate(phases):
             steps = _embedded(b, coll, fam, group, me, cnt, 0, src, dst)
-            place((j + q) * slot, j, steps, _rounds(coll, fam, len(group), cnt, 0)[me])
+            rounds = _rounds(coll, fam, len(group), cnt, 0)[me]
+            placed += [((j + q) * slot + rnd, st) for st, rnd in zip(steps, rounds)]
         if padded != ln:
-            merged[(j + 3) * slot][j].append(Copy(TMP, res[1], OUT, off, ln))
-    for step in merged:
-        b.step(*(o for ops in step for o in ops))   # steps empty on this rank are dropped
+            placed.append(((j + 3) * slot, (Copy(TMP, res[1], OUT, off, ln),)))
+    b.extend(concurrent(placed))     # steps empty on this rank are dropped
 
 
 def _allgather(b: ScheduleBuilder, pl: _Place, n: int) -> None:

@@ -43,7 +43,18 @@ from __future__ import annotations
 
 from typing import Callable, List, Tuple
 
-from ..schedule import IN, OUT, TMP, Copy, Recv, Schedule, ScheduleBuilder, Send, chunk_bounds
+from ..schedule import (
+    IN,
+    OUT,
+    TMP,
+    Copy,
+    Recv,
+    Schedule,
+    ScheduleBuilder,
+    Send,
+    chunk_bounds,
+    concurrent,
+)
 
 # Broadcast segment size in elements: large enough to amortise α, small enough to pipeline.
 SEGMENT = 32768
@@ -99,16 +110,15 @@ def _channelled(b: ScheduleBuilder, collective: str, rank: int, p: int, n: int,
                 orders: List[List[int]]) -> None:
     """Channel c runs the 1-channel ring on part c of every block over ``orders[c]``; the
     call's step s is every channel's step s, in channel order (module doc)."""
-    streams = []
+    placed = []
     for c, (lo, part) in enumerate(chunk_bounds(n, len(orders))):
         order = orders[c]
         sub = ScheduleBuilder(collective, "ring", order.index(rank), p, part, 0)
         _BUILDERS[collective](sub, sub.rank, p, part, 0)
         tmp = b.alloc_tmp(sub.tmp_count)
-        streams.append([tuple(_to_channel(o, order, n, part, lo, tmp, collective) for o in st)
-                        for st in sub.steps])
-    for s in range(max(len(st) for st in streams)):
-        b.step(*(op for st in streams if s < len(st) for op in st[s]))
+        placed += [(s, tuple(_to_channel(o, order, n, part, lo, tmp, collective) for o in st))
+                   for s, st in enumerate(sub.steps)]
+    b.extend(concurrent(placed))
 
 
 def _to_channel(op, order: List[int], n: int, part: int, lo: int, tmp: int, collective: str):

@@ -464,8 +464,9 @@ def _channelled_ring(collective: str, p: int, count: int, node_map: Tuple[int, .
     None when a part's ring is not symmetric (the caller builds every rank)."""
     orders = ring.channel_orders(node_map, channels)
     flat = (0,) * p
+    parts = [part for _, part in chunk_bounds(count, channels)]
     base: Dict[int, Callable[[int], _RankArrays]] = {}
-    for _, part in chunk_bounds(count, channels):
+    for part in parts:
         if part not in base:
             base[part] = _rotated_ring(collective, p, part, flat)
             if base[part] is None:
@@ -474,11 +475,8 @@ def _channelled_ring(collective: str, p: int, count: int, node_map: Tuple[int, .
     real = [np.asarray(order, dtype=np.int64) for order in orders]
     ranks = []
     for r in range(p):
-        parts = []
-        for c, (_, part) in enumerate(chunk_bounds(count, channels)):
-            v = int(places[c][r])
-            parts.append(base[part](v).mapped(lambda x, c=c: real[c][x]))
-        ranks.append(_merged(parts))
+        ranks.append(_merged([base[part](int(places[c][r])).mapped(lambda x, c=c: real[c][x])
+                              for c, part in enumerate(parts)]))
     prog = _assemble(ranks, p)
     prog.derived_by = "channel rotation"
     return prog
