@@ -531,6 +531,9 @@ def flat_cost(collective: str, family: str, p: int, n: float, a: float, b: float
 
 def hier_cost(collective: str, p: int, n: float, topology: Sequence[int],
               m: LinkModel) -> Optional[float]:
+    """hier's closed form (a reference: auto never calls it), phase after phase. A pipelined
+    allreduce (hier.py, S > 1 segments) overlaps the phases: its time lies between the larger
+    phase's and this sum, times (1 + 2/S), plus (S+2)Λα; the simulator runs that schedule."""
     nodes = sorted(set(topology))
     k = len(nodes)
     if k <= 1 or k == p:

@@ -251,7 +251,8 @@ SETTINGS: Tuple[Setting, ...] = (
             "`algorithm=` still wins).", _CHOICE),
     Setting("MINICOMM_CHANNELS", "1", "integer >= 1",
             "Rings of a ring allreduce, allgather or reduce_scatter: the data split over that "
-            "many rings at once, each with its own order (NCCL's channels). On one machine they "
+            "many rings at once, each with its own order (NCCL's channels); and trees of a tree "
+            "allreduce, which on 2 or more is NCCL's double binary tree. On one machine they "
             "are concurrent streams; one stays the default here (docs/decisions/ring-channels.md).",
             _CHOICE),
     Setting("MINICOMM_TUNE", "on", "flag",

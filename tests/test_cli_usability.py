@@ -173,11 +173,12 @@ def _advise_json(gpus, *more):
                             "--topology", "dgx-h100", "--json", *more]))
 
 
-NOT_RING = ("--algorithms", "tree,rhd,hier")   # a ring on one channel per NIC beats them both
+NOT_RING = ("--algorithms", "rhd,hier")   # a ring on a channel per NIC, and NCCL's double binary
+                                          # tree, beat them both
 
 
 def test_advise_says_why_its_winner_flips():
-    """Without the ring (which, on a channel per NIC, wins both cases): 64 GPUs (8 servers):
+    """Without the ring and tree (which, on a channel per NIC, win both cases): 64 GPUs (8 servers):
     hier, whose inter-server phase is recursive halving/doubling, is bandwidth-optimal and wins;
     56 GPUs (7 servers): 7 = 4 + 3, the 3 extra servers fold into a partner, whose NIC then
     carries (2(4-1)/4 + 1) c against the minimum 2(7-1)/7 c for a shard c — the colocated PS,

@@ -60,7 +60,7 @@ def test_multidimensional_shapes_and_noncontiguous_input():
 @pytest.mark.parametrize("channels", [2, 4])
 @pytest.mark.parametrize("transport,p,nodes", [("shm", 2, 1), ("shm", 4, 2), ("tcp", 3, 1),
                                                ("tcp", 4, 2)])
-def test_channelled_ring_matrix(transport, p, nodes, channels, monkeypatch):
+def test_channelled_ring_and_tree_matrix(transport, p, nodes, channels, monkeypatch):
     monkeypatch.setenv("MINICOMM_CHANNELS", str(channels))
     checks = mc.spawn(_run_channel_matrix, p, args=(channels,), transport=transport, nodes=nodes,
                       timeout=120)
@@ -68,6 +68,18 @@ def test_channelled_ring_matrix(transport, p, nodes, channels, monkeypatch):
 
 
 def _run_channel_matrix(comm, channels):
+    """The ring matrix, the tree matrix (its allreduce is the double binary tree on
+    ``channels``), and a tree allreduce long enough to be cut into several chunks per channel."""
+    from minicomm.algorithms import tree
     assert comm.channels == channels
-    return matrix(comm, "ring", counts=(0, 1, 7, 2 * comm.size + 1, 1000),
-                  dtypes=("int32", "float64"), all_roots=False, every_op=False)
+    n = matrix(comm, "ring", counts=(0, 1, 7, 2 * comm.size + 1, 1000),
+               dtypes=("int32", "float64"), all_roots=False, every_op=False)
+    n += matrix(comm, "tree", counts=(0, 1, 7, 2 * comm.size + 1),
+                dtypes=("int32", "float64"), all_roots=False, every_op=False)
+    count = 3 * tree.TREE_MIN_CHUNK * channels + 5
+    for dtype, op, ref in (("int32", "max", np.maximum.reduce), ("float64", "sum", sum)):
+        xs = [(np.arange(count) * (r + 1) % 97).astype(dtype) for r in range(comm.size)]
+        got = comm.allreduce(xs[comm.rank], op=op, algorithm="tree")
+        np.testing.assert_array_equal(got, ref(xs))
+        n += 1
+    return n

@@ -144,7 +144,7 @@ def test_channels_split_the_data_and_keep_the_steps():
 
 
 def test_channels_are_refused_where_they_do_not_apply():
-    with pytest.raises(ValueError, match="only the ring family"):
+    with pytest.raises(ValueError, match="only the ring and tree families"):
         build_all("allreduce", "rhd", 4, 8, 0, None, 2)
     with pytest.raises(ValueError, match="channels must be an integer"):
         build_all("allreduce", "ring", 4, 8, 0, None, 0)

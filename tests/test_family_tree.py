@@ -102,3 +102,46 @@ def test_bruck_with_wrong_partner_is_rejected():
                           and o.peer != 0 else o for o in st) for st in victim.steps]
     with pytest.raises(VerificationError):
         verify(scheds)
+
+
+# ------------------------------------------------------------------ NCCL's double binary tree
+def _servers(p, per):
+    return tuple(r // per for r in range(p))
+
+
+@pytest.mark.parametrize("p,per", [(2, 1), (5, 1), (8, 4), (12, 4), (10, 2), (16, 8), (7, 3),
+                                   (6, 6)])
+@pytest.mark.parametrize("k", [2, 3, 4, 16])
+def test_double_binary_tree_verifies_with_several_chunks_per_channel(p, per, k, monkeypatch):
+    monkeypatch.setattr(tree, "TREE_MIN_CHUNK", 2)      # so that small counts pipeline
+    for n in (0, 1, 7, 2 * p + 1, 40 * k + 3, 200 * k):
+        verify(build_all("allreduce", "tree", p, n, 0, _servers(p, per), k))
+
+
+def test_the_two_trees_complement_each_other():
+    """Most servers that are leaves of tree A are inner servers of tree B (NCCL's point: each
+    server sends and receives about as much in both trees together)."""
+    for n in (4, 5, 8, 9, 16, 31, 32):
+        a, b = tree.double_tree(n, 0), tree.double_tree(n, 1)
+        for t in (a, b):
+            assert sorted(t).count(-1) == 1                     # one root
+        leaves_a = set(range(n)) - set(a)
+        leaves_b = set(range(n)) - set(b)
+        assert len(leaves_a & leaves_b) <= 1, (n, leaves_a, leaves_b)
+
+
+def test_each_pair_of_tree_channels_enters_a_server_at_its_own_rank():
+    topo = _servers(32, 8)
+    heads = set()
+    for c in range(16):
+        parent, _, depth, _ = tree.channel_tree(topo, 16, c)
+        server_heads = [r for r in range(8) if parent[r] < 0 or parent[r] // 8 != 0]
+        assert len(server_heads) == 1                           # one rank of server 0 leaves it
+        heads.add((c // 2, server_heads[0]))
+    assert sorted(h for _, h in heads) == list(range(8))        # pair q at local rank q
+
+
+def test_one_channel_is_the_binomial_tree_and_other_collectives_ignore_channels():
+    assert build_all("allreduce", "tree", 6, 9, 0, None, 1) == build_all("allreduce", "tree", 6, 9)
+    assert (build_all("broadcast", "tree", 6, 9, 2, _servers(6, 3), 4)
+            == build_all("broadcast", "tree", 6, 9, 2))

@@ -89,7 +89,7 @@ def test_contention_free_matches_closed_forms(fam, coll, p):
     if fam == "ring" and coll == "barrier" and p == 2:
         pytest.skip("2 ranks: the token's second round is the first")
     count = 0 if coll == "barrier" else COUNT
-    got = simulate(coll, fam, flat(p), count=count).time_s
+    got = simulate(coll, fam, flat(p), count=count, channels=1).time_s   # tree: the binomial's
     assert got == pytest.approx(closed_form(coll, fam, p, count), rel=0.01)
 
 
@@ -1139,3 +1139,68 @@ def test_channels_use_every_nic_of_a_server():
     assert eight.channels == 8 and one.channels == 1
     assert one.busbw == pytest.approx(24, rel=0.05)            # one HDR NIC's 24 GB/s
     assert eight.busbw > 6.5 * one.busbw                      # eight of them, minus α
+
+
+def test_the_small_message_table_in_the_docs_is_this_runs():
+    from minicomm.sim import validation
+    found = validation.latency_rows()
+    assert len(found) >= 2
+    doc = open(os.path.join(os.path.dirname(__file__), os.pardir, "docs", "guide",
+                            "simulator.md")).read()
+    assert validation.render_latency_markdown(found) in doc
+
+
+# ------------------------------------------------------------------ NCCL's protocols
+def test_nccl_model_latency_is_tunings_formula():
+    from minicomm.sim import protocols
+    # ring, LL, 2 ranks on 2 nodes: 6.6 + 2 network hops of 2.7
+    assert protocols.nccl_model_latency("ring", 2, 2, "nvswitch") == pytest.approx(12.0e-6)
+    # tree, LL, 32 nodes of 8: 6.8 + 2 (7 x 0.6 x 1.8 + 5 x 5.0)
+    assert protocols.nccl_model_latency("tree", 256, 32, "nvswitch") == pytest.approx(
+        (6.8 + 2 * (7 * 0.6 * 1.8 + 5 * 5.0)) * 1e-6)
+
+
+def _two_servers_of_one(**kw):
+    return presets.get_topology("dgx-a100", nodes=2).replace(gpus_per_server=1,
+                                                             nics_per_server=1, **kw)
+
+
+def test_protocols_price_a_small_message_with_ll_and_a_launch():
+    plain = simulate("allreduce", "ring", _two_servers_of_one(), nbytes=8)
+    nccl = simulate("allreduce", "ring", _two_servers_of_one(protocols="nccl"), nbytes=8)
+    # the launch (6.6 us) and two network hops of LL (2.7 us each), a few bytes at a quarter
+    # of the NIC's bandwidth
+    assert nccl.time_s == pytest.approx(12.0e-6, rel=0.01)
+    assert nccl.time_s > plain.time_s
+
+
+def test_protocols_move_a_large_message_with_simple_at_full_bandwidth():
+    t = _two_servers_of_one(protocols="nccl")
+    big = simulate("allreduce", "ring", t, nbytes=1 << 30)
+    # Simple: no byte overhead; the NIC's 24 GB/s less the 14 us hops and 8.4 us launch
+    assert big.busbw == pytest.approx(24, rel=0.01)
+    assert big.busbw < simulate("allreduce", "ring", _two_servers_of_one(), nbytes=1 << 30).busbw
+
+
+def test_protocols_are_named_or_refused():
+    with pytest.raises(ValueError, match="protocols must be 'nccl'"):
+        _two_servers_of_one(protocols="ll")
+    from minicomm.sim.topology import topology_from_dict
+    t = topology_from_dict({"base": "dgx-h100", "protocols": "nccl"}, presets.links(),
+                           presets.topologies())
+    assert t.protocols == "nccl"
+
+
+# ------------------------------------------------------------------ NCCL's double binary tree
+def test_on_two_servers_the_double_binary_tree_passes_the_rings_network_bound():
+    """Each server's NICs carry about half what a ring's do (nccl#946): busbw above the NICs'
+    total, which bounds the ring."""
+    t = presets.get_topology("dgx-h100", nodes=2).replace(nics_per_server=4)
+    ring = simulate("allreduce", "ring", t, nbytes=1 << 30)
+    dbt = simulate("allreduce", "tree", t, nbytes=1 << 30, channels=8)
+    bound = 4 * t.nic_link.bandwidth / 1e9
+    assert dbt.channels == 8 and ring.busbw <= bound * 1.001
+    assert dbt.busbw > 1.3 * bound
+    five = t.with_servers(5)        # past two servers the tree stays under the ring
+    assert (simulate("allreduce", "tree", five, nbytes=1 << 30, channels=8).busbw
+            < simulate("allreduce", "ring", five, nbytes=1 << 30).busbw)

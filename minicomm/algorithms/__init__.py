@@ -7,8 +7,9 @@ Every family module exposes
 for all nine collectives (broadcast, reduce, allreduce, allgather, reduce_scatter, gather,
 scatter, alltoall, barrier), any world size >= 1, any root, any count >= 0. ``topology`` is the
 node id of every rank (a tuple of length ``size``); flat families ignore it, ``hier`` uses it,
-and so does a channelled ``ring`` (its rail-aligned orders). ``channels``: ring's channel count
-(ring.py's doc); the other families take one channel.
+and so do a channelled ``ring`` (its rail-aligned orders) and a channelled ``tree`` (its
+servers). ``channels``: ring's channel count (ring.py's doc), or tree's, whose allreduce on k > 1
+channels is NCCL's double binary tree (tree.py's doc); rhd and hier take one channel.
 
 ``build_schedule`` is the cached entry point the communicator, the verifier CLI and the simulator
 use: one schedule per key (collective, algorithm, rank, size, count, root, topology, channels).
@@ -23,6 +24,7 @@ from . import hier, rhd, ring, tree
 
 FAMILIES = ("ring", "tree", "rhd", "hier")
 _MODULES = {"ring": ring, "tree": tree, "rhd": rhd, "hier": hier}
+CHANNELLED_FAMILIES = (ring, tree)
 
 
 def family(name: str):
@@ -43,8 +45,8 @@ def build_schedule(collective: str, algorithm: str, rank: int, size: int, count:
     if topology is None:
         topology = (0,) * size
     module = family(algorithm)
-    if channels != 1 and module is not ring:
-        raise ValueError(f"channels={channels}: only the ring family takes channels")
+    if channels != 1 and module not in CHANNELLED_FAMILIES:
+        raise ValueError(f"channels={channels}: only the ring and tree families take channels")
     sched = (module.build(collective, rank, size, count, root, tuple(topology), channels)
              if channels != 1 else module.build(collective, rank, size, count, root,
                                                 tuple(topology)))

@@ -41,16 +41,52 @@ alltoall: Bruck. Logical block i of rank r is the data for rank r+i; step k send
 
 barrier: zero-count messages up the binomial tree to rank 0 (gather), then down it (release).
     2L steps; 2Lα.
+
+Channels (``channels`` = k > 1; allreduce only): NCCL's double binary tree. The servers (the
+``topology``'s nodes, N of them) form two complementary binary trees: A, the in-order tree
+(``_inorder_tree``, whose leaves are its odd positions), and B, A with every server moved one
+place on (N odd) or mirrored (N even), so that A's leaves are inner servers of B. Channel c reduces and broadcasts the c-th of k
+parts of the vector over tree A (c even) or B (c odd). Inside a server the channel is a chain
+(NCCL's intra-node tree) that starts at the local rank facing the channel's NIC: channels 2q and
+2q+1 enter and leave every server at local rank q*L//ceil(k/2), so each NIC carries one channel of
+each tree. Each part is cut into S = min(TREE_MAX_CHUNKS, part // TREE_MIN_CHUNK) chunks (at least
+1) that stream up the chain and tree, reduced on the way, and down again from the root, up and
+down at once: on a global clock every rank at depth d receives chunk t from below at t + D - d
+and from above at t + D + d (D: the largest depth), so every Send meets its Recv in the same
+step and nothing waits out of turn. Depth D <= L - 1 + ceil(lg(N + 1)); with part m = n/k,
+(S + 2D + 1)(α + (m/S)β) + mγ per channel, and each server's NICs carry about 2n each way in
+all: on N = 2 servers half what a ring's do, which is why a 2-server tree's busbw can pass the
+ring's network bound. Assumes a commutative op.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import List, Optional, Sequence, Tuple
 
-from ..schedule import IN, OUT, TMP, Copy, Op, Recv, Schedule, ScheduleBuilder, Send, Topology
+from ..schedule import (
+    IN,
+    OUT,
+    TMP,
+    Copy,
+    Op,
+    Recv,
+    Schedule,
+    ScheduleBuilder,
+    Send,
+    Topology,
+    chunk_bounds,
+    concurrent,
+)
 
 ALGORITHM = "tree"
 
 Steps = List[List[Op]]
+
+
+# Double binary tree chunks (module doc): a chunk is never shorter than TREE_MIN_CHUNK elements,
+# and a channel's part is cut into at most TREE_MAX_CHUNKS of them.
+TREE_MIN_CHUNK = 32768
+TREE_MAX_CHUNKS = 64
 
 
 def _ceil_lg(p: int) -> int:
@@ -288,9 +324,12 @@ def _barrier(b, r, p):
 
 
 def build(collective: str, rank: int, size: int, count: int, root: int,
-          topology: Topology) -> Schedule:
+          topology: Topology, channels: int = 1) -> Schedule:
     b = ScheduleBuilder(collective, ALGORITHM, rank, size, count, root)
     p, n = size, count
+    if used_channels(collective, size, count, channels) > 1:
+        _double_tree_allreduce(b, rank, p, n, tuple(topology), channels)
+        return b.build()
     v = (rank - root) % p
 
     def peer(u: int) -> int:
@@ -317,3 +356,98 @@ def build(collective: str, rank: int, size: int, count: int, root: int,
     else:
         raise ValueError(f"unknown collective {collective!r}")
     return b.build()
+
+
+# --- NCCL's double binary tree (module doc, Channels) --------------------------------------------
+
+def used_channels(collective: str, size: int, count: int, channels: int) -> int:
+    """The channels a call runs on: ``channels`` for allreduce (no more than leave every channel
+    an element), else 1; one channel is the binomial tree."""
+    if not isinstance(channels, int) or isinstance(channels, bool) or channels < 1:
+        raise ValueError(f"channels must be an integer >= 1, got {channels!r}")
+    if collective != "allreduce" or size == 1:
+        return 1
+    return max(1, min(channels, count))
+
+
+def _inorder_tree(n: int) -> List[int]:
+    """Parent of each of n in-order positions (-1: the root). Position i is v = i + 1; v's parent
+    doubles its lowest set bit b, stepping to v + b or v - b (v - b when v + b is past n), so
+    the odd positions, half of them, are the leaves; the root is the largest power of two <= n."""
+    parent = []
+    for v in range(1, n + 1):
+        b = v & -v
+        up = (v ^ b) | (b << 1)
+        if up > n:
+            up = v ^ b
+        parent.append(up - 1)          # up == 0: the root
+    return parent
+
+
+def double_tree(n: int, which: int) -> List[int]:
+    """Parent of each of n servers in tree A (which=0) or its complement B (which=1)."""
+    a = _inorder_tree(n)
+    if which == 0 or n == 1:
+        return a
+    move = (lambda i: (i + 1) % n) if n % 2 else (lambda i: n - 1 - i)
+    b = [-1] * n
+    for i, up in enumerate(a):
+        b[move(i)] = -1 if up < 0 else move(up)
+    return b
+
+
+@lru_cache(maxsize=256)
+def channel_tree(topology: Tuple[int, ...], k: int, c: int):
+    """Channel c's tree over the ranks: (parent, children, depth, largest depth). The chain
+    inside each server runs from the channel's entry rank; its head joins its server's parent
+    server's head (-1: the root)."""
+    members: dict = {}
+    for r, node in enumerate(topology):
+        members.setdefault(node, []).append(r)
+    servers = list(members.values())
+    pairs = -(-k // 2)
+    heads, parent = [], [-1] * len(topology)
+    for ranks in servers:
+        L = len(ranks)
+        entry = (c // 2) * L // pairs
+        chain = [ranks[(entry + t) % L] for t in range(L)]
+        for up, r in zip(chain, chain[1:]):
+            parent[r] = up
+        heads.append(chain[0])
+    for i, up in enumerate(double_tree(len(servers), c % 2)):
+        if up >= 0:
+            parent[heads[i]] = heads[up]
+    children: List[List[int]] = [[] for _ in topology]
+    for r, up in enumerate(parent):
+        if up >= 0:
+            children[up].append(r)
+    depth = [0] * len(topology)
+    todo = [r for r, up in enumerate(parent) if up < 0]
+    while todo:                       # breadth first from the root
+        r = todo.pop()
+        for kid in children[r]:
+            depth[kid] = depth[r] + 1
+            todo.append(kid)
+    return tuple(parent), tuple(map(tuple, children)), tuple(depth), max(depth)
+
+
+def _double_tree_allreduce(b: ScheduleBuilder, rank: int, p: int, n: int,
+                           topology: Tuple[int, ...], channels: int) -> None:
+    k = used_channels("allreduce", p, n, channels)
+    placed: List[Tuple[int, Tuple[Op, ...]]] = []
+    for c, (base, part) in enumerate(chunk_bounds(n, k)):
+        parents, children, depths, D = channel_tree(topology, k, c)
+        up, kids, d = parents[rank], children[rank], depths[rank]
+        chunks = [(base + o, m) for o, m in
+                  chunk_bounds(part, max(1, min(TREE_MAX_CHUNKS, part // TREE_MIN_CHUNK)))]
+        if kids:
+            placed.append((0, (Copy(IN, base, OUT, base, part),)))
+        src = OUT if kids else IN
+        for t, (off, m) in enumerate(chunks):
+            placed += [(t + D - d, (Recv(kid, OUT, off, m, True),)) for kid in kids]
+            if up >= 0:
+                placed.append((t + D - d + 1, (Send(up, src, off, m),)))
+                placed.append((t + D + d, (Recv(up, OUT, off, m),)))
+            placed += [(t + D + d + 1, (Send(kid, OUT, off, m),)) for kid in kids]
+    for st in concurrent(placed):
+        b.step(*st)

@@ -128,7 +128,7 @@ class CallPlans:
         key = (coll, algo, count, root)
         plan = self._plans.get(key)
         if plan is None:
-            channels = self.channels if algo == "ring" else 1
+            channels = self.channels if algo in ("ring", "tree") else 1
             topo = self.topology if algo == "hier" or channels > 1 else None
             sched = build_schedule(coll, algo, self.rank, self.size, count, root, topo, channels)
             plan = self._plans.put(key, Plan(sched, self.group))

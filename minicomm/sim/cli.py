@@ -47,6 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=None, help="servers (default: the preset's)")
     p.add_argument("--gpus", type=int, default=None,
                    help="accelerators in all (sets --nodes: a multiple of the server's)")
+    p.add_argument("--protocols", choices=("nccl",), default=None,
+                   help="price every message with NCCL's LL / LL128 / Simple protocols (hop "
+                        "latency per link class and protocol, the protocol switch by size, a "
+                        "launch latency per call; tuning.cc's table) instead of one latency per "
+                        "link class")
     p.add_argument("--collective", default=None,
                    help=f"one of {', '.join(COLLECTIVES)} (default: allreduce)")
     p.add_argument("--sizes", default=None,
@@ -87,7 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(_sim_parser=p)
 
 
-# the options each question uses (--topology, --nodes, --gpus, --json: every question)
+# the options each question uses (--topology, --nodes, --gpus, --protocols, --json: every
+# question)
 _USES = {
     "sweep": ("--sizes", "--algorithms", "--collective", "--root", "--plot", "--exact",
               "--trace", "--channels"),
@@ -126,7 +132,8 @@ def check_arguments(a) -> Optional[str]:
         if on and opt not in _USES[mode]:
             what = "a size sweep (no --advise, --architecture ps, --compare-interconnects " \
                    "or --explain)" if mode == "sweep" else mode
-            uses = ", ".join(_USES[mode]) or "only --topology, --nodes, --gpus and --json"
+            uses = (", ".join(_USES[mode])
+                    or "only --topology, --nodes, --gpus, --protocols and --json")
             return f"{opt} does not apply to {what}; it takes {uses}"
     if mode == "--architecture ps" and given["--sizes"] and given["--model-bytes"]:
         return "--architecture ps takes --sizes or --model-bytes, not both"
@@ -158,7 +165,8 @@ def _topology(a) -> Topology:
         if nodes is not None and nodes * g != a.gpus:
             raise ValueError(f"--gpus {a.gpus} and --nodes {nodes} disagree ({g} per server)")
         nodes = a.gpus // g
-    return topo.with_servers(nodes) if nodes is not None else topo
+    topo = topo.with_servers(nodes) if nodes is not None else topo
+    return topo.replace(protocols=a.protocols) if a.protocols else topo
 
 
 def _algorithms(text: Optional[str], topo: Topology) -> List[str]:
@@ -244,7 +252,7 @@ def sweep(topo: Topology, collective: str, sizes: Sequence[int], algos: Sequence
         for algo in algos:
             out.append(simulate(collective, algo, topo, nbytes=s, root=root, exact=exact,
                                 timeline=timeline,
-                                channels=channels if algo == "ring" else None))
+                                channels=channels if algo in ("ring", "tree") else None))
     return out
 
 
@@ -259,6 +267,8 @@ def _validate(a) -> int:
         return 0
     print(validation.render_markdown(found))
     worst = max(found, key=lambda r: abs(r.error))
+    print("\nSmall messages (time, not busbw; compared, not held to the tolerance):")
+    print(validation.render_latency_markdown(validation.latency_rows()))
     print(f"Summary: {len(found)} published figures; the model is within "
           f"{100 * abs(worst.error):.1f}% of each (worst: {worst.point.name}), geometric-mean "
           f"error {100 * validation.geometric_mean_error(found):.1f}%.")
@@ -701,7 +711,7 @@ def _compare(a, topo: Topology) -> int:
         for s in sizes:
             for algo in algos:
                 r = simulate(a.collective, algo, t, nbytes=s, root=a.root, exact=a.exact,
-                             channels=a.channels if algo == "ring" else None)
+                             channels=a.channels if algo in ("ring", "tree") else None)
                 d = r.to_dict()
                 d["interconnect"] = label
                 d["requested_bytes"] = s

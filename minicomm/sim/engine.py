@@ -53,8 +53,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..algorithms import family, ring
+from ..algorithms import CHANNELLED_FAMILIES, family, ring
 from ..schedule import COLLECTIVES, Copy, Recv, Reduce, Schedule, Send, busbw_factor, chunk_bounds
+from . import protocols
 from .host import HostDeadlock, HostLink, HostModel, HostRun  # noqa: F401 (re-exported)
 from .timeline import modelled_steps
 from .topology import Fabric, Topology, default_placement
@@ -485,7 +486,8 @@ def _channelled_ring(collective: str, p: int, count: int, node_map: Tuple[int, .
 def program_for(collective: str, algorithm: str, p: int, count: int, root: int = 0,
                 node_map: Optional[Tuple[int, ...]] = None, exact: bool = False,
                 channels: int = 1) -> Program:
-    """The compiled schedules of one call (cached); ``channels``: ring's (ring.py)."""
+    """The compiled schedules of one call (cached); ``channels``: ring's (ring.py) or tree's
+    (tree.py: the double binary tree)."""
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
     if p < 1:
@@ -498,9 +500,10 @@ def program_for(collective: str, algorithm: str, p: int, count: int, root: int =
     if len(node_map) != p:
         raise ValueError(f"node map names {len(node_map)} ranks, not {p}")
     fam = family(algorithm)       # raises ValueError for an unknown algorithm
-    if channels != 1 and fam is not ring:
-        raise ValueError(f"channels={channels}: only the ring family takes channels")
-    channels = ring.used_channels(collective, p, count, channels) if fam is ring else 1
+    if channels != 1 and fam not in CHANNELLED_FAMILIES:
+        raise ValueError(f"channels={channels}: only the ring and tree families take channels")
+    channels = (fam.used_channels(collective, p, count, channels) if fam in CHANNELLED_FAMILIES
+                else 1)
     key = (collective, algorithm, p, count, root, node_map, exact, channels)
     prog = _programs.get(key)
     if prog is not None:
@@ -516,7 +519,7 @@ def program_for(collective: str, algorithm: str, p: int, count: int, root: int =
 
     t0 = time.perf_counter()
     prog = None
-    if not exact and channels > 1 and p >= SYMMETRY_MIN_RANKS:
+    if not exact and channels > 1 and fam is ring and p >= SYMMETRY_MIN_RANKS:
         prog = _channelled_ring(collective, p, count, node_map, channels)
     elif not exact and p >= SYMMETRY_MIN_RANKS:
         prog = _try_symmetry(build, p, node_map)
@@ -625,11 +628,12 @@ StepTrace = Callable[[int, int, str, int, int, bool], None]
 
 def run_program(prog: Program, topo: Topology, placement: np.ndarray, itemsize: int = 4,
                 fabric: Optional[Fabric] = None, resolution: float = RESOLUTION,
-                trace: Optional[StepTrace] = None) -> RunStats:
+                trace: Optional[StepTrace] = None, algorithm: str = "") -> RunStats:
     """Time the program on the topology (module docstring); rank r runs on accelerator
     ``placement[r]``. Instants less than ``resolution`` seconds apart are handled as one event
     (so a flow may end, and a step start, up to that much early). ``trace``: see
-    ``StepTrace`` (the conformance test compares it with the other interpreters)."""
+    ``StepTrace`` (the conformance test compares it with the other interpreters).
+    ``algorithm``: the family, which picks the protocol table's rows (protocols.py)."""
     fab = fabric or Fabric(topo)
     p = prog.size
     placement = np.asarray(placement, dtype=np.int64)
@@ -637,7 +641,7 @@ def run_program(prog: Program, topo: Topology, placement: np.ndarray, itemsize: 
         raise ValueError(f"placement names {placement.size} ranks, not {p}")
     if p and (placement.min() < 0 or placement.max() >= topo.endpoints):
         raise ValueError(f"placement outside the {topo.endpoints} accelerators of {topo.name}")
-    loop = _EventLoop(prog, topo, fab, placement, itemsize, resolution, trace)
+    loop = _EventLoop(prog, topo, fab, placement, itemsize, resolution, trace, algorithm)
     while True:
         loop.events += 1
         loop.start_steps()
@@ -662,7 +666,8 @@ class _EventLoop:
     changed)."""
 
     def __init__(self, prog: Program, topo: Topology, fab: Fabric, placement: np.ndarray,
-                 itemsize: int, resolution: float, trace: Optional[StepTrace]):
+                 itemsize: int, resolution: float, trace: Optional[StepTrace],
+                 algorithm: str = ""):
         self.prog, self.resolution, self.trace = prog, resolution, trace
         p, S, M = prog.size, prog.steps, prog.messages
         self.overlap = topo.reduce_overlap
@@ -688,12 +693,16 @@ class _EventLoop:
                               if len(pairs) else 1)
         self.pair_links = np.where(pair_links[:, :width] >= 0, pair_links[:, :width], nl)
         self.msg_pair = msg_pair.reshape(-1)
+        self.msg_lat = self.pair_lat[self.msg_pair]
+        self.launch = 0.0
+        if topo.protocols == "nccl" and M:
+            self._price_protocols(topo, placement, algorithm)
         self.latest = np.full(S, -math.inf)          # latest completion of a step's ops so far
         self.start = np.full(S, math.nan)
         self.end = np.full(S, math.nan)
         self.cur = prog.rank_first[:-1].copy()
         self.last = prog.rank_first[1:]
-        self.next_start = np.where(self.cur < self.last, 0.0, math.inf)
+        self.next_start = np.where(self.cur < self.last, self.launch, math.inf)
         self.rank_end = np.zeros(p)
         self.alive = int((self.cur < self.last).sum())
         self.delivered = np.full(M, math.inf)
@@ -711,6 +720,21 @@ class _EventLoop:
         self.t_ref = self.now = 0.0
         self.dirty = False
         self.events = 0
+
+    def _price_protocols(self, topo: Topology, placement: np.ndarray, algorithm: str) -> None:
+        """NCCL's protocols (protocols.py): each message's latency (the protocol's hop latency,
+        end to end, in place of the route's α) and wire bytes, and the call's launch latency."""
+        g = topo.gpus_per_server
+        src, dst = placement[self.prog.msg_src], placement[self.prog.msg_dst]
+        cross = src // g != dst // g
+        moves = src != dst
+        lat, wire, self.launch = protocols.price(
+            algorithm, topo.intra, cross[moves], self.nbytes[moves].astype(float),
+            np.where(cross, topo.nic_link.bandwidth, topo.intra_link.bandwidth)[moves],
+            len(np.unique(placement // g)) > 1)
+        self.msg_lat[moves] = lat
+        self.nbytes = self.nbytes.astype(float)
+        self.nbytes[moves] = wire
 
     def horizon(self) -> float:
         """Instants up to this one are handled as now (one event)."""
@@ -769,7 +793,7 @@ class _EventLoop:
             ids = np.concatenate(go_ids) if go_ids else np.zeros(0, dtype=np.int64)
             if ids.size:
                 t_go = (np.maximum(send_ready[ids], recv_ready[ids]) if rendezvous
-                        else send_ready[ids]) + self.pair_lat[self.msg_pair[ids]]
+                        else send_ready[ids]) + self.msg_lat[ids]
                 if self.gapped:
                     # a sender issues the k messages it starts at once one gap apart; they start
                     # together when the last is issued (one event, not k)
@@ -914,6 +938,13 @@ def _result(collective, algorithm, topo, fab, p, count, itemsize, prog, stats, w
                      link_bytes_by_kind=_by_kind(fab, stats.link_bytes), rank_end=stats.rank_end)
 
 
+def default_channels(algorithm: str, topo: Topology) -> int:
+    """A ring's default channels: one per NIC of a server, as NCCL's. Every other family runs on
+    one; the tree's double binary tree is asked for with channels (two per NIC is NCCL's), since
+    at 1,024 ranks its pipelined program is millions of messages, a minute per call."""
+    return topo.channels if algorithm == "ring" else 1
+
+
 def simulate(collective: str, algorithm: str, topo: Topology, nbytes: Optional[int] = None,
              *, count: Optional[int] = None, ranks: Optional[int] = None, root: int = 0,
              itemsize: int = 4, placement: Optional[Sequence[int]] = None,
@@ -924,8 +955,8 @@ def simulate(collective: str, algorithm: str, topo: Topology, nbytes: Optional[i
     ``nbytes`` is the nccl-tests size (the whole buffer, see ``count_for_bytes``), or give the
     per-rank block ``count``; ``ranks`` defaults to every accelerator of the topology (or the
     length of ``placement``). ``hier`` gets the node map of the placement, and so does a
-    channelled ring: ``channels`` (ring only; default ``topo.channels``, one ring per NIC, as
-    NCCL's default). ``timeline``: the
+    channelled ring and tree: ``channels`` (default ``default_channels``: one ring per NIC, as
+    NCCL's; one tree). ``timeline``: the
     call's modelled steps go to ``timeline.add`` (``minicomm.trace.SimulatedTrace``: the
     simulator hands it ``timeline.modelled_steps`` and imports nothing of it)."""
     t0 = time.perf_counter()
@@ -942,18 +973,19 @@ def simulate(collective: str, algorithm: str, topo: Topology, nbytes: Optional[i
         if nbytes is None:
             raise TypeError("give nbytes or count")
         count = count_for_bytes(collective, int(nbytes), p, itemsize)
-    if channels is None:
-        channels = topo.channels if algorithm == "ring" else 1
     node_map = tuple(int(e) // topo.gpus_per_server for e in pl)
+    if channels is None:
+        channels = default_channels(algorithm, topo)
     prog = program_for(collective, algorithm, p, int(count), root, node_map, exact, channels)
     fab = Fabric(topo)
     coarse = not exact and prog.messages >= LARGE_PROGRAM_MESSAGES
     stats = run_program(prog, topo, pl, itemsize, fab,
-                        LARGE_PROGRAM_RESOLUTION if coarse else RESOLUTION)
+                        LARGE_PROGRAM_RESOLUTION if coarse else RESOLUTION, algorithm=algorithm)
     res = _result(collective, algorithm, topo, fab, p, int(count), itemsize, prog, stats,
                   time.perf_counter() - t0)
-    if algorithm == "ring":
-        res.channels = ring.used_channels(collective, p, int(count), channels)
+    fam = family(algorithm)
+    if fam in CHANNELLED_FAMILIES:
+        res.channels = fam.used_channels(collective, p, int(count), channels)
     if timeline is not None:
         timeline.add(collective, algorithm, int(count), itemsize, stats.time_s,
                      modelled_steps(prog, stats, itemsize))

@@ -31,6 +31,9 @@ What is modelled
 - latency: a message pays the latency of its first link class (``intra_link.latency`` inside a
   server; ``nic_link.latency`` between servers) plus ``switch_latency`` per switch it crosses in
   the network (1, 3 or 5). That sum is the α of the message.
+- protocols: ``protocols = "nccl"`` prices every message with NCCL's LL / LL128 / Simple
+  (protocols.py: a latency per hop, link class and protocol instead of the link's one α, the
+  protocol's bandwidth overhead, the protocol switch by size, a launch latency per call).
 - protocol: ``rendezvous`` (default) — a message moves once its receiver has posted the receive
   (NCCL's credits, MPI's large-message protocol); False: eager, as soon as it is sent.
 - compute: ``gamma`` s per reduced byte, ``delta`` s per copied byte on an accelerator;
@@ -39,9 +42,9 @@ What is modelled
   (into the receive's region, in its step: ring's reduce-scatter) is part of the same kernel,
   which reads the local input itself, so it costs nothing of its own.
 
-Restrictions: every server is alike; links are full duplex (independent directions); no congestion
-control dynamics, no packet loss, no protocol switching (one per-message α and an effective
-bandwidth per link class stand in for them).
+Restrictions: every server is alike; links are full duplex (independent directions); no
+congestion control dynamics, no packet loss; without ``protocols``, no protocol switching (one
+per-message α and an effective bandwidth per link class stand in for it).
 """
 from __future__ import annotations
 
@@ -103,6 +106,7 @@ class Topology:
     delta: float = 0.0
     reduce_overlap: bool = False
     rendezvous: bool = True
+    protocols: str = ""                # "nccl": NCCL's LL / LL128 / Simple (protocols.py)
     description: str = ""
     sources: Tuple[str, ...] = field(default=(), compare=False)
 
@@ -133,6 +137,9 @@ class Topology:
             v = getattr(self, f)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"topology {self.name!r}: {f} must be >= 0")
+        if self.protocols not in ("", "nccl"):
+            raise ValueError(f"topology {self.name!r}: protocols must be 'nccl' or '' (one "
+                             f"latency per link class), got {self.protocols!r}")
         if self.pcie_root_bandwidth is not None and not self.pcie_root_bandwidth > 0:
             raise ValueError(f"topology {self.name!r}: pcie_root_bandwidth must be > 0 or None")
 
@@ -387,7 +394,7 @@ def link_from_dict(d: Mapping[str, Any], name: str = "link",
 
 
 _TOP_KEYS = {"name", "base", "description", "servers", "gpus_per_server", "intra", "nic",
-             "network", "compute", "sources"}
+             "network", "compute", "sources", "protocols"}
 
 
 def topology_from_dict(d: Mapping[str, Any], links: Mapping[str, LinkSpec],
@@ -412,6 +419,8 @@ def topology_from_dict(d: Mapping[str, Any], links: Mapping[str, LinkSpec],
             kw[k] = d[k]
     if "description" in d:
         kw["description"] = str(d["description"])
+    if "protocols" in d:
+        kw["protocols"] = "" if d["protocols"] in (None, False, "") else str(d["protocols"])
     if "sources" in d:
         kw["sources"] = tuple(str(s) for s in d["sources"])
 

@@ -4,12 +4,11 @@ Each ``Point`` (from ``validation.json``) is one public figure: what it is (coll
 on what (its ``setup``, and the preset with the changes that make it that machine), where it
 was published (``source``) and, for a rule rather than a measurement, how the figure follows from
 the rule. ``rows()`` simulates every point with minicomm's own schedules: the ring on one channel
-per NIC (NCCL's default) for the ring figures, the fastest family for the all-to-all rule. The
-error of a point is the model's busbw against the middle of the published range.
+per NIC (NCCL's default) for the ring figures, the tree as NCCL's double binary tree on two
+channels per NIC (tree.py) for the tree figures, the fastest family for the all-to-all rule.
+The error of a point is the model's busbw against the middle of the published range.
 
-Left out on purpose: runs the maintainers call misconfigured in those threads, and NCCL's tree
-figures: minicomm's tree is a binomial
-tree, not NCCL's pipelined double binary tree, so a tree figure would compare two algorithms.
+Left out on purpose: runs the maintainers call misconfigured in those threads.
 """
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..algorithms import FAMILIES
+from . import protocols
 from .engine import simulate
 from .presets import get_topology, link
 from .units import parse_size
@@ -42,6 +42,7 @@ class Point:
     algorithm: Optional[str] = "ring"     # None: the fastest family
     changes: Dict[str, object] = field(default_factory=dict)   # Topology fields
     nic: Optional[str] = None             # a link preset between the servers instead
+    channels: Optional[int] = None        # the algorithm's channels (None: the default)
 
     @property
     def figure(self) -> float:
@@ -57,11 +58,86 @@ def load_points(path: str = POINTS_FILE) -> Tuple[Point, ...]:
         doc = json.load(f)
     return tuple(Point(d["name"], d["setup"], d["source"], tuple(d["published_busbw"]),
                        d["preset"], d["servers"], d["size"], d.get("collective", "allreduce"),
-                       d.get("algorithm", "ring"), dict(d.get("changes", {})), d.get("nic"))
+                       d.get("algorithm", "ring"), dict(d.get("changes", {})), d.get("nic"),
+                       d.get("channels"))
                  for d in doc["points"])
 
 
 POINTS = load_points()
+
+
+@dataclass(frozen=True)
+class LatencyPoint:
+    """One published small-message time and the simulated machine it is compared with."""
+    name: str
+    setup: str
+    source: str
+    published_us: Tuple[float, float]
+    preset: str
+    servers: int
+    size: str
+    algorithm: str
+    changes: Dict[str, object] = field(default_factory=dict)
+    channels: Optional[int] = None
+
+    @property
+    def figure(self) -> float:
+        return (self.published_us[0] + self.published_us[1]) / 2
+
+
+def load_latency_points(path: str = POINTS_FILE) -> Tuple[LatencyPoint, ...]:
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    return tuple(LatencyPoint(d["name"], d["setup"], d["source"], tuple(d["published_us"]),
+                              d["preset"], d["servers"], d["size"], d["algorithm"],
+                              dict(d.get("changes", {})), d.get("channels"))
+                 for d in doc.get("latency_points", ()))
+
+
+LATENCY_POINTS = load_latency_points()
+
+
+@dataclass
+class LatencyRow:
+    """A latency point, NCCL's own model's time for it, and the simulator's without and with
+    NCCL's protocols (microseconds)."""
+    point: LatencyPoint
+    nccl_model_us: float
+    link_alpha_us: float
+    protocols_us: float
+
+    def error(self, us: float) -> float:
+        return us / self.point.figure - 1.0
+
+
+def latency_rows(points: Sequence[LatencyPoint] = LATENCY_POINTS) -> List[LatencyRow]:
+    """Every latency point: NCCL's tuner's formula, the simulator with one latency per link
+    class, and with ``protocols = "nccl"``."""
+    out = []
+    for pt in points:
+        topo = get_topology(pt.preset).with_servers(pt.servers)
+        topo = topo.replace(**pt.changes) if pt.changes else topo
+        nbytes = parse_size(pt.size)
+        times = [simulate("allreduce", pt.algorithm, t, nbytes, channels=pt.channels).time_s
+                 for t in (topo, topo.replace(protocols="nccl"))]
+        model = protocols.nccl_model_latency(pt.algorithm, topo.endpoints, topo.servers,
+                                             topo.intra)
+        out.append(LatencyRow(pt, model * 1e6, times[0] * 1e6, times[1] * 1e6))
+    return out
+
+
+def render_latency_markdown(found: Sequence[LatencyRow]) -> str:
+    """The docs' small-message table."""
+    lines = ["| point | setup | source | published (us) | NCCL's model (us) | simulator, one "
+             "latency per link (us) | simulator, `--protocols nccl` (us) |", "|---|---|---|---|"
+             "---|---|---|"]
+    for r in found:
+        p = r.point
+        cells = [f"{us:.1f} ({100 * r.error(us):+.0f}%)"
+                 for us in (r.nccl_model_us, r.link_alpha_us, r.protocols_us)]
+        lines.append(f"| {p.name} | {p.setup} | {p.source} | {p.published_us[0]:g}-"
+                     f"{p.published_us[1]:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 @dataclass
@@ -92,8 +168,8 @@ def simulate_point(point: Point) -> Row:
     topo = machine(point)
     nbytes = parse_size(point.size)
     families = [point.algorithm] if point.algorithm else list(FAMILIES)
-    best = max((simulate(point.collective, fam, topo, nbytes) for fam in families),
-               key=lambda r: r.busbw)
+    best = max((simulate(point.collective, fam, topo, nbytes, channels=point.channels)
+                for fam in families), key=lambda r: r.busbw)
     return Row(point, best.algorithm, best.channels, best.busbw)
 
 
@@ -116,7 +192,9 @@ def render_markdown(found: Sequence[Row]) -> str:
         pub = (f"{p.published[0]:g}" if p.published[0] == p.published[1]
                else f"{p.published[0]:g}-{p.published[1]:g}")
         algo = (f"ring, {r.channels} channel{'s' if r.channels > 1 else ''}"
-                if r.algorithm == "ring" else r.algorithm)
+                if r.algorithm == "ring" else
+                f"double binary tree, {r.channels} channels" if r.algorithm == "tree"
+                and r.channels > 1 else r.algorithm)
         lines.append(f"| {p.name} | {p.setup} | {p.source} | {pub} | {r.busbw:.1f} | {algo} | "
                      f"{100 * r.error:+.1f}% |")
     lines.append(f"\nGeometric-mean error: {100 * geometric_mean_error(found):.1f}%; largest: "

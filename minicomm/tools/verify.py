@@ -1,9 +1,9 @@
 """minicomm verify: the verifier run over the whole algorithm matrix, in a process pool.
 
 Every (collective, family, world size 1..max_world) cell is proved with ``minicomm.verifier``
-over roots, counts and, for hier, node maps; a channelled collective's ring cell also with
-``CHANNEL_COUNTS`` channels over those node maps (its orders depend on them); the matrix is
-printed. Lives with the tools: it
+over roots, counts and, for hier, node maps; a channelled collective's ring cell, and tree's
+allreduce (the double binary tree), also with ``CHANNEL_COUNTS`` channels over those node maps
+(their orders and trees depend on them); the matrix is printed. Lives with the tools: it
 starts processes (``ProcessPoolExecutor``, ``--jobs`` of them, default one per core), which
 nothing below the launcher does.
 """
@@ -20,6 +20,7 @@ from ..verifier import verify
 
 EXHAUSTIVE_UP_TO = 16    # world sizes verified with every root, count and node map
 CHANNEL_COUNTS = (2, 3, 8)   # even, odd, and a DGX server's NICs
+TREE_CHANNEL_COUNTS = (2, 3, 16)   # one pair of trees, an odd count, two trees per DGX NIC
 
 
 def topologies_for(p: int, exhaustive: bool = False):
@@ -56,8 +57,10 @@ def verify_cell(args):
     roots = roots_for(p, all_roots) if coll in ROOTED else [0]
     topos = topologies_for(p, all_roots) if fam == "hier" else [None]
     variants = [(topo, 1) for topo in topos]
-    if fam == "ring" and coll in ring.CHANNELLED and p > 1:
-        variants += [(topo, k) for topo in topologies_for(p, all_roots) for k in CHANNEL_COUNTS]
+    if p > 1 and ((fam == "ring" and coll in ring.CHANNELLED)
+                  or (fam == "tree" and coll == "allreduce")):
+        variants += [(topo, k) for topo in topologies_for(p, all_roots)
+                     for k in (CHANNEL_COUNTS if fam == "ring" else TREE_CHANNEL_COUNTS)]
     counts = [0] if coll == "barrier" else counts_for(p, all_roots)
     try:
         for topo, k in variants:
