@@ -323,3 +323,19 @@ def test_pipelined_allreduce_runs(transport):
         want = sum(np.arange(n, dtype=np.float64) * (r + 1) + r for r in range(p))
         for r, res in enumerate(per_rank):
             np.testing.assert_array_equal(res, want, err_msg=f"{transport} n={n} rank {r}")
+
+
+def test_minicomm_verify_proves_the_pipelined_paths():
+    """``minicomm verify`` cuts the pipelines short so that its small counts run the many-segment
+    code of large calls, and restores the thresholds after."""
+    from minicomm.algorithms import tree
+    from minicomm.tools import verify as verify_tool
+    saved = hier.PIPELINE_MIN_SEGMENT, tree.TREE_MIN_CHUNK
+    with verify_tool.short_segments():
+        for p in (8, 40):
+            n = verify_tool.pipelined_counts(p)[0]
+            assert hier.pipeline_segments(n) > 1
+            assert n // 3 // tree.TREE_MIN_CHUNK > 1          # chunks of a 3-channel tree
+    assert (hier.PIPELINE_MIN_SEGMENT, tree.TREE_MIN_CHUNK) == saved
+    plain = verify_tool.verify_cell(("allreduce", "hier", 8, False))
+    assert plain[4] is None and plain[3] > 0

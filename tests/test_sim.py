@@ -1148,6 +1148,8 @@ def test_the_small_message_table_in_the_docs_is_this_runs():
     doc = open(os.path.join(os.path.dirname(__file__), os.pardir, "docs", "guide",
                             "simulator.md")).read()
     assert validation.render_latency_markdown(found) in doc
+    for r in found:      # the reference is NCCL's own model, which the protocols follow
+        assert r.protocols_us == pytest.approx(r.nccl_model_us, rel=0.10), r.point.name
 
 
 # ------------------------------------------------------------------ NCCL's protocols

@@ -45,18 +45,20 @@ barrier: zero-count messages up the binomial tree to rank 0 (gather), then down 
 Channels (``channels`` = k > 1; allreduce only): NCCL's double binary tree. The servers (the
 ``topology``'s nodes, N of them) form two complementary binary trees: A, the in-order tree
 (``_inorder_tree``, whose leaves are its odd positions), and B, A with every server moved one
-place on (N odd) or mirrored (N even), so that A's leaves are inner servers of B. Channel c reduces and broadcasts the c-th of k
-parts of the vector over tree A (c even) or B (c odd). Inside a server the channel is a chain
-(NCCL's intra-node tree) that starts at the local rank facing the channel's NIC: channels 2q and
-2q+1 enter and leave every server at local rank q*L//ceil(k/2), so each NIC carries one channel of
-each tree. Each part is cut into S = min(TREE_MAX_CHUNKS, part // TREE_MIN_CHUNK) chunks (at least
-1) that stream up the chain and tree, reduced on the way, and down again from the root, up and
-down at once: on a global clock every rank at depth d receives chunk t from below at t + D - d
-and from above at t + D + d (D: the largest depth), so every Send meets its Recv in the same
-step and nothing waits out of turn. Depth D <= L - 1 + ceil(lg(N + 1)); with part m = n/k,
-(S + 2D + 1)(α + (m/S)β) + mγ per channel, and each server's NICs carry about 2n each way in
-all: on N = 2 servers half what a ring's do, which is why a 2-server tree's busbw can pass the
-ring's network bound. Assumes a commutative op.
+place on (N odd) or mirrored (N even), so that A's leaves are inner servers of B. Channel c
+reduces and broadcasts the c-th of k parts of the vector over tree A (c even) or B (c odd).
+Inside a server the channel is a chain (NCCL's intra-node tree) from the local rank facing the
+channel's NIC: channels 2q and 2q+1 enter and leave every server at local rank q*L//ceil(k/2),
+so each NIC carries one channel of each tree (on one server, channel c's chain starts at local
+rank c*L//k, so the chains share the reducing). Each part is cut into
+S = min(TREE_MAX_CHUNKS, part // TREE_MIN_CHUNK) chunks (at least 1) that stream up the chain and
+tree, reduced on the way, and down again from the root, up and down at once: on a global clock
+every rank at depth d receives chunk t from below at t + D - d and from above at t + D + d (D:
+the largest depth), so every Send meets its Recv in the same step and nothing waits out of turn.
+Depth D <= L - 1 + ceil(lg(N + 1)); with part m = n/k, (S + 2D + 1)(α + (m/S)β) + mγ per
+channel, and each server's NICs carry about 2n each way in all: on N = 2 servers half what a
+ring's do, which is why a 2-server tree's busbw can pass the ring's network bound. Assumes a
+commutative op.
 """
 from __future__ import annotations
 
@@ -409,7 +411,8 @@ def channel_tree(topology: Tuple[int, ...], k: int, c: int):
     heads, parent = [], [-1] * len(topology)
     for ranks in servers:
         L = len(ranks)
-        entry = (c // 2) * L // pairs
+        # across servers both trees of a pair leave by one NIC; on one, every chain its own head
+        entry = (c // 2) * L // pairs if len(servers) > 1 else c * L // k
         chain = [ranks[(entry + t) % L] for t in range(L)]
         for up, r in zip(chain, chain[1:]):
             parent[r] = up

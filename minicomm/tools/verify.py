@@ -3,7 +3,9 @@
 Every (collective, family, world size 1..max_world) cell is proved with ``minicomm.verifier``
 over roots, counts and, for hier, node maps; a channelled collective's ring cell, and tree's
 allreduce (the double binary tree), also with ``CHANNEL_COUNTS`` channels over those node maps
-(their orders and trees depend on them); the matrix is printed. Lives with the tools: it
+(their orders and trees depend on them); hier's and the double binary tree's allreduce also with
+their pipeline cut short (``short_segments``), so that their many-segment paths are proved; the
+matrix is printed. Lives with the tools: it
 starts processes (``ProcessPoolExecutor``, ``--jobs`` of them, default one per core), which
 nothing below the launcher does.
 """
@@ -13,8 +15,9 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 
-from ..algorithms import FAMILIES, build_schedule, ring
+from ..algorithms import FAMILIES, build_schedule, hier, ring, tree
 from ..schedule import COLLECTIVES, ROOTED
 from ..verifier import verify
 
@@ -49,6 +52,25 @@ def counts_for(p: int, exhaustive: bool = False):
     return [1, p + 1]
 
 
+@contextmanager
+def short_segments():
+    """hier's pipeline segments and the double binary tree's chunks cut at 2 elements, so that
+    the small counts verified take the pipelined paths of large calls (same code, more pieces)."""
+    saved = hier.PIPELINE_MIN_SEGMENT, tree.TREE_MIN_CHUNK
+    build_schedule.cache_clear()
+    hier.PIPELINE_MIN_SEGMENT = tree.TREE_MIN_CHUNK = 2
+    try:
+        yield
+    finally:
+        hier.PIPELINE_MIN_SEGMENT, tree.TREE_MIN_CHUNK = saved
+        build_schedule.cache_clear()
+
+
+def pipelined_counts(p: int):
+    """Counts that cut into several segments or chunks (with ``short_segments``)."""
+    return sorted({4 * p + 3, 9 * p + 1}) if p <= EXHAUSTIVE_UP_TO else [4 * p + 3]
+
+
 def verify_cell(args):
     """Verify one (collective, family, world size) over roots, counts and node maps.
     Returns (collective, family, p, cases, error or None)."""
@@ -62,6 +84,10 @@ def verify_cell(args):
         variants += [(topo, k) for topo in topologies_for(p, all_roots)
                      for k in (CHANNEL_COUNTS if fam == "ring" else TREE_CHANNEL_COUNTS)]
     counts = [0] if coll == "barrier" else counts_for(p, all_roots)
+    pipelined = []
+    if coll == "allreduce" and p > 1 and fam in ("hier", "tree"):
+        pipelined = [(topo, k) for topo, k in variants if fam == "hier" or k in (2, 3)]
+    topo, k, n, root = None, 1, 0, 0
     try:
         for topo, k in variants:
             for n in counts:
@@ -69,6 +95,11 @@ def verify_cell(args):
                     scheds = [build_schedule(coll, fam, r, p, n, root, topo, k)
                               for r in range(p)]
                     verify(scheds)
+                    cases += 1
+        with short_segments():
+            for topo, k in pipelined:
+                for n in pipelined_counts(p):
+                    verify([build_schedule(coll, fam, r, p, n, 0, topo, k) for r in range(p)])
                     cases += 1
         build_schedule.cache_clear()
         return coll, fam, p, cases, None
