@@ -166,8 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--jobs", type=int, default=0, help="processes (default: all cores)")
     v.add_argument("--collective", action="append", choices=COLLECTIVES, metavar="COLLECTIVE",
                    help=f"restrict to this collective (repeatable): {', '.join(COLLECTIVES)}")
-    v.add_argument("--algorithm", action="append", choices=FAMILIES, metavar="FAMILY",
-                   help=f"restrict to this algorithm family (repeatable): {', '.join(FAMILIES)}")
+    v.add_argument("--algorithm", action="append", choices=FAMILIES + ("innet",),
+                   metavar="FAMILY",
+                   help=f"restrict to this algorithm family (repeatable): {', '.join(FAMILIES)}; "
+                        f"innet, in-network reduction with its switches, when named (its "
+                        f"schedules are proved; the runtime does not run them yet)")
     v.set_defaults(func=_cmd_verify)
 
     r = sub.add_parser("run", help="launch a script on N ranks (this box, or hosts over ssh)",

@@ -8,6 +8,10 @@ Every element of every buffer carries a symbolic value instead of a number:
   result would count that contribution twice).
 So a correct allreduce ends with, on every rank and element e: (src, mask) == (e, all ranks). This is exact (a multiset check), not a probabilistic test with random numbers.
 
+A switch of an in-network reduction is a participant too: its schedule (numbered from the world
+size on, no ``in`` or ``out``) receives, reduces in ``tmp`` and forwards like any rank's, so a
+switch that counts a child twice or misses one fails the same checks.
+
 Timing follows *rendezvous* semantics, the strictest a transport may have: a Send completes only
 when its matching Recv is posted, so a schedule that passes cannot deadlock on any transport,
 whatever its buffering. Steps run as documented in ``minicomm.schedule``.
@@ -58,9 +62,9 @@ def _regions_overlap(a: Tuple[str, int, int], b: Tuple[str, int, int]) -> bool:
     return a[0] == b[0] and a[1] < b[1] + b[2] and b[1] < a[1] + a[2] and a[2] > 0 and b[2] > 0
 
 
-def _check_structure(s: Schedule) -> None:
+def _check_structure(s: Schedule, participants: int) -> None:
     sizes = {IN: s.in_count, OUT: s.out_count, TMP: s.tmp_count}
-    ein, eout = buffer_counts(s.collective, s.size, s.count)
+    ein, eout = buffer_counts(s.collective, s.size, s.count) if s.rank < s.size else (0, 0)
     if (s.in_count, s.out_count) != (ein, eout):
         raise VerificationError(f"rank {s.rank}: buffer sizes {(s.in_count, s.out_count)} "
                                 f"!= {(ein, eout)} for {s.collective}")
@@ -83,7 +87,7 @@ def _check_structure(s: Schedule) -> None:
         reads, writes = [], []   # communication regions of this step
         for o in step:
             if isinstance(o, (Send, Recv)):
-                if not (0 <= o.peer < s.size) or o.peer == s.rank:
+                if not (0 <= o.peer < participants) or o.peer == s.rank:
                     raise VerificationError(f"rank {s.rank} step {i}: bad peer {o.peer} in {o}")
                 r = region(o.buf, o.offset, o.count, i, isinstance(o, Recv))
                 (writes if isinstance(o, Recv) else reads).append((r, o))
@@ -119,16 +123,19 @@ def verify(schedules: Sequence[Schedule], *, topology=None,
 
 
 def _check_call(schedules: Sequence[Schedule]) -> None:
-    """Every schedule is one rank's of the same call, and well formed (``_check_structure``)."""
-    p = len(schedules)
-    if p == 0:
+    """Every schedule is one participant's of the same call, and well formed
+    (``_check_structure``): ranks 0..size-1, then any switches (in-network reduction: numbered
+    from size on, with no ``in`` or ``out``, only ``tmp``)."""
+    if not schedules:
         raise VerificationError("no schedules")
     s0 = schedules[0]
-    coll, count, root = s0.collective, s0.count, s0.root
+    coll, count, root, p = s0.collective, s0.count, s0.root, s0.size
+    if len(schedules) < p:
+        raise VerificationError(f"{len(schedules)} schedules for a world of {p} ranks")
     for r, s in enumerate(schedules):
         if s.rank != r or s.size != p or (s.collective, s.count, s.root) != (coll, count, root):
             raise VerificationError(f"schedule {r} is for another call: {s.summary()}")
-        _check_structure(s)
+        _check_structure(s, len(schedules))
 
 
 def _match_fifo(schedules: Sequence[Schedule]):
@@ -176,7 +183,8 @@ class _SymbolicRun:
             else:
                 bufs[IN] = list(zip(range(s.in_count), repeat(1 << s.rank)))
             self.state.append(bufs)
-        self.knows = [1 << r for r in range(p)]   # barrier knowledge: who is known to have entered
+        # barrier knowledge: who is known to have entered (a switch enters nothing itself)
+        self.knows = [1 << r if r < s0.size else 0 for r in range(p)]
         ids: Dict[Tuple[int, int, int], int] = {}
         self.ops_tab: List[list] = []
         self.plan = []
