@@ -68,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="build every rank's schedule (no rank-symmetry shortcut)")
     p.add_argument("--channels", type=int, default=None, metavar="K",
                    help="rings of a ring allreduce / allgather / reduce_scatter (default: one "
-                        "per NIC of a server, as NCCL's)")
+                        "per NIC of a server, as NCCL's), and trees of a tree allreduce: on "
+                        "K > 1, NCCL's double binary tree (default: one binomial tree)")
     p.add_argument("--trace", metavar="FILE",
                    help="sweep: write every simulated call's steps, rank by rank, as a Chrome "
                         "trace (the format MINICOMM_TRACE writes; open it in Perfetto)")

@@ -12,9 +12,12 @@ Timing rules (what a step costs), per rank, steps in order:
     issued and its receive posted (rendezvous, as NCCL's credits and MPI's large-message protocol
     do; ``Topology.rendezvous=False``: eager, as soon as it is sent): after the route's latency α
     (topology.py; a sender starting k messages at once issues them one ``gap`` apart, and they
-    start together (k-1) gaps later) it is a flow of its bytes over the links of its route; every link's bandwidth
-    is shared max-min fairly (progressive filling) among the flows crossing it at the moment,
-    recomputed whenever a flow starts or ends;
+    start together (k-1) gaps later) it is a flow of its bytes over the links of its route;
+    every link's bandwidth is shared max-min fairly (progressive filling) among the flows
+    crossing it at the moment, recomputed whenever a flow starts or ends. With
+    ``Topology.protocols = "nccl"`` the α is the hop latency of the message's protocol, its bytes
+    grow by the protocol's overhead, and every rank starts after the call's launch latency
+    (protocols.py);
   - a send completes when its message is delivered; a receive when its message is delivered, a
     reducing one γ per byte later (``reduce_overlap``: the reduction runs while the data arrives,
     so it ends at max(delivery, arrival start + γ·bytes), and never before T + L + γ·bytes; a
