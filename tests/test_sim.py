@@ -128,6 +128,18 @@ def test_max_min_fair_sharing():
     assert max_min_rates(np.array([[pad, pad]]), cap)[0] == math.inf
 
 
+def test_max_min_rates_per_route_equal_the_rates_per_flow():
+    """A row standing for several flows on one route gives each the rate the flows get one row
+    each (what the engine does: one row per (src, dst) route)."""
+    rng = np.random.default_rng(7)
+    cap = np.concatenate((rng.uniform(1, 10, 6), [math.inf]))
+    routes = np.array([[0, 1, 6], [0, 6, 6], [2, 3, 6], [1, 2, 4], [5, 6, 6], [4, 5, 3]])
+    flows = np.array([3, 1, 2, 4, 1, 2])
+    per_flow = max_min_rates(np.repeat(routes, flows, axis=0), cap)
+    per_route = max_min_rates(routes, cap, flows)
+    assert np.repeat(per_route, flows) == pytest.approx(per_flow)
+
+
 def test_two_flows_on_one_link_take_twice_as_long():
     """Two ranks send to the same receiver at once: its NIC in-link is shared."""
     n = 1 << 20

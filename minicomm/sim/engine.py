@@ -591,21 +591,26 @@ def _ranges(lo: np.ndarray, cnt: np.ndarray) -> np.ndarray:
     return np.arange(tot, dtype=np.int64) + off
 
 
-def max_min_rates(links: np.ndarray, capacity: np.ndarray) -> np.ndarray:
+def max_min_rates(links: np.ndarray, capacity: np.ndarray,
+                  flows: Optional[np.ndarray] = None) -> np.ndarray:
     """Max-min fair rates of flows over links (progressive filling: the flows whose fair share
     on their tightest link is the smallest are fixed at it, their bandwidth removed, repeat).
     ``links`` is (F, H) of link ids; entries equal to ``len(capacity) - 1`` are padding (that
-    last link must have infinite capacity). A flow crossing no finite link gets rate inf."""
+    last link must have infinite capacity). A flow crossing no finite link gets rate inf.
+    ``flows``: how many flows take each row's route (default one each; flows on one route get
+    one rate, so a row stands for all of them); the rate returned is each flow's."""
     F = links.shape[0]
     rate = np.full(F, math.inf)
     if F == 0:
         return rate
     nlinks = len(capacity)
+    H = links.shape[1]
     cap = capacity.copy()
     open_links = links
     open_idx = np.arange(F)
+    open_flows = None if flows is None else np.repeat(np.asarray(flows, dtype=float), H)
     while True:
-        cnt = np.bincount(open_links.ravel(), minlength=nlinks)
+        cnt = np.bincount(open_links.ravel(), weights=open_flows, minlength=nlinks)
         share = np.full(nlinks, math.inf)
         np.divide(cap, cnt, out=share, where=cnt > 0)
         share[-1] = math.inf
@@ -617,9 +622,12 @@ def max_min_rates(links: np.ndarray, capacity: np.ndarray) -> np.ndarray:
         rate[open_idx[sel]] = m
         if sel.all():
             break
-        cap -= np.bincount(open_links[sel].ravel(), minlength=nlinks) * m
+        w = None if open_flows is None else open_flows.reshape(-1, H)[sel].ravel()
+        cap -= np.bincount(open_links[sel].ravel(), weights=w, minlength=nlinks) * m
         np.maximum(cap, 0.0, out=cap)
         open_links, open_idx = open_links[~sel], open_idx[~sel]
+        if open_flows is not None:
+            open_flows = open_flows.reshape(-1, H)[~sel].ravel()
     return rate
 
 
@@ -718,7 +726,6 @@ class _EventLoop:
         self.link_bytes = np.zeros(nl + 1)
         self.pend_id, self.pend_t = np.zeros(0, dtype=np.int64), np.zeros(0)
         self.act_id = np.zeros(0, dtype=np.int64)
-        self.act_links = np.zeros((0, width), dtype=np.int64)
         self.act_left, self.act_rate, self.act_fin = np.zeros(0), np.zeros(0), np.zeros(0)
         self.t_ref = self.now = 0.0
         self.dirty = False
@@ -845,13 +852,15 @@ class _EventLoop:
                 self.act_rate = np.concatenate((self.act_rate, np.zeros(len(ids))))
                 self.t_ref = self.now
                 self.act_id = np.concatenate((self.act_id, ids))
-                self.act_links = np.concatenate((self.act_links, links))
                 keep = ~go
                 self.pend_id, self.pend_t = self.pend_id[keep], self.pend_t[keep]
                 self.dirty = True
         if self.dirty:
             self.act_left, self.t_ref = self.left_now(), self.now
-            self.act_rate = max_min_rates(self.act_links, self.cap)
+            # flows between one pair share a route, so one rate: solve per route
+            routes, flow_route = np.unique(self.msg_pair[self.act_id], return_inverse=True)
+            self.act_rate = max_min_rates(self.pair_links[routes], self.cap,
+                                          np.bincount(flow_route.reshape(-1)))[flow_route]
             self.act_fin = self.now + self.act_left / self.act_rate
             self.dirty = False
 
@@ -892,7 +901,7 @@ class _EventLoop:
         keep = ~fin
         self.act_left = self.left_now()[keep]
         self.t_ref = now
-        self.act_id, self.act_links = self.act_id[keep], self.act_links[keep]
+        self.act_id = self.act_id[keep]
         self.act_rate, self.act_fin = self.act_rate[keep], self.act_fin[keep]
         self.dirty = True
         cand = np.concatenate((ss, rs))
