@@ -15,7 +15,7 @@ def _maps(p):
 
 @pytest.fixture
 def short_chunks(monkeypatch):
-    monkeypatch.setattr(innet, "MAX_CHUNK", 3)      # so that small counts pipeline
+    monkeypatch.setattr(innet, "MIN_CHUNK", 3)      # so that small counts pipeline
 
 
 @pytest.mark.parametrize("collective", innet.COLLECTIVES)

@@ -1218,3 +1218,32 @@ def test_on_two_servers_the_double_binary_tree_passes_the_rings_network_bound():
     five = t.with_servers(5)        # past two servers the tree stays under the ring
     assert (simulate("allreduce", "tree", five, nbytes=1 << 30, channels=8).busbw
             < simulate("allreduce", "ring", five, nbytes=1 << 30).busbw)
+
+
+# ------------------------------------------------------------------ in-network reduction (NVLS)
+NVLS_PUBLISHED = {8: 480.0, 7: 460.0, 6: 440.0, 5: 420.0}   # nccl-tests#212, nccl#1455 (GB/s)
+
+
+def test_nvls_innet_allreduce_is_within_5_percent_of_the_published_busbw():
+    """One DGX H100: NVIDIA's ~480 GB/s busbw on 8 GPUs (algbw ~275, the preset's NVLS port),
+    and a user's 420-460 GB/s on 5-7 GPUs, which the port rate alone predicts."""
+    t = presets.get_topology("dgx-h100", nodes=1)
+    for gpus, busbw in NVLS_PUBLISHED.items():
+        r = simulate("allreduce", "innet", t, nbytes=8 << 30, ranks=gpus)
+        assert r.busbw == pytest.approx(busbw, rel=0.05), gpus
+
+
+def test_innet_beats_the_ring_at_both_ends_on_an_nvswitch_server():
+    t = presets.get_topology("dgx-h100", nodes=1)
+    for size in (8, 1 << 30):
+        assert (simulate("allreduce", "innet", t, nbytes=size).time_s
+                < simulate("allreduce", "ring", t, nbytes=size).time_s)
+
+
+def test_innet_needs_a_switch_that_reduces():
+    with pytest.raises(ValueError, match="no switch reduces"):
+        simulate("allreduce", "innet", presets.get_topology("dgx-a100", nodes=1), nbytes=1 << 20)
+    with pytest.raises(ValueError, match="SHARP"):
+        simulate("allreduce", "innet", presets.get_topology("dgx-h100", nodes=2), nbytes=1 << 20)
+    with pytest.raises(ValueError, match="nvswitch"):
+        presets.get_topology("pcie-8gpu", nodes=1).replace(nvls_bandwidth=1e11)

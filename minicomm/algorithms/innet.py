@@ -13,9 +13,9 @@ reduces them in that step), the root sends it down at t + H, and height h receiv
 at t + 2H - h - 1 and forwards it at t + 2H - h. Every Send meets its Recv in the same step, so
 chunks pipeline and nothing waits out of turn.
 
-Chunks. A switch reduces at most ``MAX_CHUNK`` elements per aggregation operation (SHARP's
-per-operation message limit); allreduce, reduce and broadcast cut longer calls into
-S = ceil(n / MAX_CHUNK) chunks. A switch keeps a slot per child (``tmp``: children x n).
+Chunks. Allreduce, reduce and broadcast cut the vector into S = min(MAX_CHUNKS,
+n // MIN_CHUNK) chunks (at least 1) that pipeline through the switches, as the double binary
+tree's do. A switch keeps a slot per child (``tmp``: children x n).
 
 Costs (α per message hop, β per element through an endpoint's link, no γ at the endpoints: the
 switches reduce):
@@ -61,7 +61,10 @@ from ..schedule import (
 ALGORITHM = "innet"
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "barrier", "allgather", "reduce_scatter")
 RADIX = 8                 # children per switch above the leaves (and ranks per leaf on one server)
-MAX_CHUNK = 65536         # elements per aggregation operation: SHARP's per-operation limit
+# Pipelining: a chunk is never shorter than MIN_CHUNK elements, and a call has at most
+# MAX_CHUNKS of them (each step pays a hop's latency, each chunk fills the pipeline less).
+MIN_CHUNK = 32768
+MAX_CHUNKS = 64
 
 Placed = List[Tuple[int, Tuple[Op, ...]]]
 
@@ -137,7 +140,7 @@ def _runs(ranks: Sequence[int]) -> List[Tuple[int, int]]:
 
 def chunks(count: int) -> List[Tuple[int, int]]:
     """(offset, length) of each chunk of a call of ``count`` elements."""
-    return chunk_bounds(count, max(1, -(-count // MAX_CHUNK)))
+    return chunk_bounds(count, max(1, min(MAX_CHUNKS, count // MIN_CHUNK)))
 
 
 def build(collective: str, rank: int, size: int, count: int, root: int,

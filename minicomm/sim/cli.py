@@ -58,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="A:B (x2 steps) or a comma list, e.g. 1K:1G or 1MiB,64MiB,1GB "
                         "(default 1K:1G; with --architecture ps: 1G)")
     p.add_argument("--algorithms", default=None,
-                   help=f"'all' or a comma list of {', '.join(FAMILIES)} (default: all)")
+                   help=f"'all' or a comma list of {', '.join(FAMILIES)} (default: all), or "
+                        f"innet (in-network reduction: a server's NVSwitch with NVLink SHARP)")
     p.add_argument("--root", type=int, default=None,
                    help="root rank of broadcast, reduce, gather, scatter (default: 0)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -176,9 +177,10 @@ def _algorithms(text: Optional[str], topo: Topology) -> List[str]:
     else:
         algos = [x.strip() for x in text.split(",") if x.strip()]
         for x in algos:
-            if x not in FAMILIES:
+            if x not in FAMILIES + ("innet",):
                 raise ValueError(f"unknown algorithm {x!r}; choose 'all' or from "
-                                 f"{', '.join(FAMILIES)}")
+                                 f"{', '.join(FAMILIES)}, or innet (in-network reduction, "
+                                 f"where a switch reduces)")
     return algos
 
 

@@ -56,7 +56,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..algorithms import CHANNELLED_FAMILIES, family, ring
+from ..algorithms import CHANNELLED_FAMILIES, family, innet, ring
 from ..schedule import COLLECTIVES, Copy, Recv, Reduce, Schedule, Send, busbw_factor, chunk_bounds
 from . import protocols
 from .host import HostDeadlock, HostLink, HostModel, HostRun  # noqa: F401 (re-exported)
@@ -650,7 +650,7 @@ def run_program(prog: Program, topo: Topology, placement: np.ndarray, itemsize: 
     placement = np.asarray(placement, dtype=np.int64)
     if placement.shape != (p,):
         raise ValueError(f"placement names {placement.size} ranks, not {p}")
-    if p and (placement.min() < 0 or placement.max() >= topo.endpoints):
+    if p and (placement.min() < 0 or placement.max() >= fab.endpoint_ids):
         raise ValueError(f"placement outside the {topo.endpoints} accelerators of {topo.name}")
     loop = _EventLoop(prog, topo, fab, placement, itemsize, resolution, trace, algorithm)
     while True:
@@ -694,7 +694,7 @@ class _EventLoop:
         # routes: one per distinct (src, dst) accelerator pair; padding is the extra last link
         self.nl = nl = len(fab)
         self.cap = np.concatenate((fab.capacity, [math.inf]))
-        E = topo.endpoints
+        E = fab.endpoint_ids
         pairs, msg_pair = np.unique(placement[prog.msg_src] * E + placement[prog.msg_dst],
                                     return_inverse=True)
         pair_links, self.pair_lat, self.pair_gap = fab.routes_gaps(pairs // E, pairs % E)
@@ -706,7 +706,7 @@ class _EventLoop:
         self.msg_pair = msg_pair.reshape(-1)
         self.msg_lat = self.pair_lat[self.msg_pair]
         self.launch = 0.0
-        if topo.protocols == "nccl" and M:
+        if topo.protocols == "nccl" and M and algorithm != "innet":
             self._price_protocols(topo, placement, algorithm)
         self.latest = np.full(S, -math.inf)          # latest completion of a step's ops so far
         self.start = np.full(S, math.nan)
@@ -986,6 +986,9 @@ def simulate(collective: str, algorithm: str, topo: Topology, nbytes: Optional[i
             raise TypeError("give nbytes or count")
         count = count_for_bytes(collective, int(nbytes), p, itemsize)
     node_map = tuple(int(e) // topo.gpus_per_server for e in pl)
+    if algorithm == "innet":
+        return _simulate_innet(collective, topo, pl, node_map, int(count), root, itemsize,
+                               timeline, t0)
     if channels is None:
         channels = default_channels(algorithm, topo)
     prog = program_for(collective, algorithm, p, int(count), root, node_map, exact, channels)
@@ -1000,6 +1003,35 @@ def simulate(collective: str, algorithm: str, topo: Topology, nbytes: Optional[i
         res.channels = fam.used_channels(collective, p, int(count), channels)
     if timeline is not None:
         timeline.add(collective, algorithm, int(count), itemsize, stats.time_s,
+                     modelled_steps(prog, stats, itemsize))
+    return res
+
+
+def _simulate_innet(collective: str, topo: Topology, pl: np.ndarray, node_map: Tuple[int, ...],
+                    count: int, root: int, itemsize: int, timeline, t0: float) -> SimResult:
+    """innet on NVLink SHARP: the schedules' switches are the server's NVSwitch (topology.py);
+    one server only, since no modelled network switch reduces yet."""
+    if not topo.nvls_bandwidth:
+        raise ValueError(f"{topo.name}: no switch reduces, so innet cannot run here (set "
+                         f"intra.nvls_GBps, NVLink SHARP, in a topology file)")
+    if len(set(node_map)) > 1:
+        raise ValueError("innet across servers needs network switches that reduce (SHARP), "
+                         "which the simulator does not model yet: place the ranks on one server")
+    p = len(pl)
+    scheds = innet.build_all(collective, p, count, root, node_map)
+    P = len(scheds)
+    prog = _assemble([_rank_arrays(s.steps, P, r) for r, s in enumerate(scheds)], P)
+    switch_steps = slice(int(prog.rank_first[p]), int(prog.rank_first[P]))
+    for f in (prog.step_copy, prog.step_reduce, prog.step_staged):
+        f[switch_steps] = 0       # the switch reduces at its ports' rate, not an accelerator's γ
+    server = node_map[0] if node_map else 0
+    placement = np.concatenate((pl, np.full(P - p, topo.endpoints + server, dtype=np.int64)))
+    fab = Fabric(topo)
+    stats = run_program(prog, topo, placement, itemsize, fab, algorithm="innet")
+    res = _result(collective, "innet", topo, fab, p, count, itemsize, prog, stats,
+                  time.perf_counter() - t0)
+    if timeline is not None:
+        timeline.add(collective, "innet", count, itemsize, stats.time_s,
                      modelled_steps(prog, stats, itemsize))
     return res
 

@@ -15,6 +15,10 @@ What is modelled
       ``intra_link.bandwidth / (g - 1)`` (the accelerator's bandwidth is split over its g-1 ports:
       UB-Mesh-style). Only direct paths are used (no multi-path routing).
   ``intra_link.bandwidth`` is always one accelerator's total per direction.
+- in-network reduction: ``nvls_bandwidth`` > 0 (nvswitch only): the NVSwitch reduces and
+    multicasts (NVLink SHARP) for the ``innet`` family, whose switch participants are the
+    server's NVSwitch (endpoint ids ``endpoints + server``); a message between an accelerator
+    and it crosses the accelerator's NVSwitch link and its NVLS port, of that bandwidth.
 - NICs: ``nics_per_server`` NICs; accelerator i uses NIC ``i * nics_per_server // g`` (so
   nics_per_server == g is one NIC per accelerator, 1 is one NIC per server, shared). ``rails``:
   rail-optimised wiring (NIC k of every server in a leaf group goes to leaf switch k of that group;
@@ -102,6 +106,7 @@ class Topology:
     core_oversubscription: float = 1.0
     switch_latency: float = 0.0
     pcie_root_bandwidth: Optional[float] = None
+    nvls_bandwidth: float = 0.0        # NVLink SHARP per accelerator port, bytes/s (0: none)
     gamma: float = 0.0
     delta: float = 0.0
     reduce_overlap: bool = False
@@ -133,10 +138,13 @@ class Topology:
             if not (v >= 1.0 and math.isfinite(v)):
                 raise ValueError(f"topology {self.name!r}: {f} must be >= 1 (downlink:uplink), "
                                  f"got {v!r}")
-        for f in ("switch_latency", "gamma", "delta"):
+        for f in ("switch_latency", "gamma", "delta", "nvls_bandwidth"):
             v = getattr(self, f)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"topology {self.name!r}: {f} must be >= 0")
+        if self.nvls_bandwidth and self.intra != "nvswitch":
+            raise ValueError(f"topology {self.name!r}: nvls_GBps needs intra kind 'nvswitch' "
+                             f"(NVLink SHARP is the NVSwitch's)")
         if self.protocols not in ("", "nccl"):
             raise ValueError(f"topology {self.name!r}: protocols must be 'nccl' or '' (one "
                              f"latency per link class), got {self.protocols!r}")
@@ -239,6 +247,9 @@ class Fabric:
             per = intra_bw / max(1, g - 1)
             block("pair", S * g * g, per,
                   lambda i: f"mesh link {i // (g * g)}:{i % (g * g) // g}->{i % g}")
+        if t.nvls_bandwidth:
+            block("nvls_up", E, t.nvls_bandwidth, lambda i: f"NVLS port of acc {i}, up")
+            block("nvls_down", E, t.nvls_bandwidth, lambda i: f"NVLS port of acc {i}, down")
         nic_bw = t.nic_link.bandwidth
         block("nic_out", S * nps, nic_bw, lambda i: f"NIC {i // nps}.{i % nps} out")
         block("nic_in", S * nps, nic_bw, lambda i: f"NIC {i // nps}.{i % nps} in")
@@ -275,9 +286,36 @@ class Fabric:
         links, lat, _ = self.routes_gaps(src, dst)
         return links, lat
 
+    @property
+    def endpoint_ids(self) -> int:
+        """Ids a placement may use: the accelerators, then (with NVLS) each server's NVSwitch."""
+        return self.topo.endpoints + (self.topo.servers if self.topo.nvls_bandwidth else 0)
+
     def routes_gaps(self, src: np.ndarray, dst: np.ndarray
                     ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """routes() and the issue gap of each (that of its first link class; 0 to oneself)."""
+        """routes() and the issue gap of each (that of its first link class; 0 to oneself).
+        An id from ``endpoints`` on is a server's NVSwitch (``nvls_bandwidth``)."""
+        src = np.asarray(src, dtype=np.int64)
+        dst = np.asarray(dst, dtype=np.int64)
+        E = self.topo.endpoints
+        switch = (src >= E) | (dst >= E)
+        if not switch.any():
+            return self._accelerator_routes(src, dst)
+        links = np.full((len(src), self.MAX_HOPS), -1, dtype=np.int64)
+        lat, gap = np.zeros(len(src)), np.zeros(len(src))
+        real = ~switch
+        if real.any():
+            links[real], lat[real], gap[real] = self._accelerator_routes(src[real], dst[real])
+        b, intra = self._base, self.topo.intra_link
+        up = (src < E) & (dst >= E)            # accelerator -> its NVSwitch
+        down = (src >= E) & (dst < E)
+        links[up, 0], links[up, 1] = b["acc_out"] + src[up], b["nvls_up"] + src[up]
+        links[down, 0], links[down, 1] = b["nvls_down"] + dst[down], b["acc_in"] + dst[down]
+        lat[up | down], gap[up | down] = intra.latency, intra.gap
+        return links, lat, gap               # NVSwitch to NVSwitch (one fabric): no links
+
+    def _accelerator_routes(self, src: np.ndarray, dst: np.ndarray
+                            ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         t = self.topo
         g, nps = t.gpus_per_server, t.nics_per_server
         src = np.asarray(src, dtype=np.int64)
@@ -433,11 +471,13 @@ def topology_from_dict(d: Mapping[str, Any], links: Mapping[str, LinkSpec],
             raise ValueError(f"[{key}]: unknown keys {sorted(bad)}; allowed: {sorted(allowed)}")
         return sec
 
-    intra = section("intra", {"kind", "link", "pcie_root_GBps"})
+    intra = section("intra", {"kind", "link", "pcie_root_GBps", "nvls_GBps"})
     if "kind" in intra:
         kw["intra"] = intra["kind"]
     if "link" in intra:
         kw["intra_link"] = link_from_dict(intra["link"], "intra.link", links)
+    if "nvls_GBps" in intra:
+        kw["nvls_bandwidth"] = _num(intra["nvls_GBps"], "intra.nvls_GBps") * GB
     if "pcie_root_GBps" in intra:
         v = intra["pcie_root_GBps"]
         kw["pcie_root_bandwidth"] = None if v in (None, 0) else _num(v, "pcie_root_GBps") * GB

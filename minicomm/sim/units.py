@@ -105,6 +105,8 @@ _LINK_WORDS = (
     (re.compile(r"^leaf (\d+) (up|down)link$"), r"leaf switch \1's \2link"),
     (re.compile(r"^pod (\d+) (up|down)link$"), r"pod \1's \2link"),
     (re.compile(r"^local copy on acc (\d+)$"), r"local copy on accelerator \1"),
+    (re.compile(r"^NVLS port of acc (\d+), (up|down)$"),
+     r"accelerator \1's NVLink SHARP port, \2"),
 )
 
 

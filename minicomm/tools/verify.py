@@ -121,10 +121,10 @@ def _verify_innet_cell(coll: str, p: int, all_roots: bool):
     roots = roots_for(p, all_roots) if coll in ROOTED else [0]
     counts = [0] if coll == "barrier" else counts_for(p, all_roots)
     topo, n, root = None, 0, 0
-    saved = innet.MAX_CHUNK
+    saved = innet.MIN_CHUNK
     try:
         for short in (False, True):
-            innet.MAX_CHUNK = 2 if short else saved
+            innet.MIN_CHUNK = 2 if short else saved
             for topo in topologies_for(p, all_roots):
                 for n in (pipelined_counts(p) if short and coll != "barrier" else counts):
                     for root in roots:
@@ -135,7 +135,7 @@ def _verify_innet_cell(coll: str, p: int, all_roots: bool):
         return coll, "innet", p, cases, (f"p={p} topology={topo} count={n} root={root}: "
                                          f"{type(e).__name__}: {e}")
     finally:
-        innet.MAX_CHUNK = saved
+        innet.MIN_CHUNK = saved
 
 
 def run_matrix(max_world: int = 64, all_roots: bool = False, jobs: int = 0, out=None,
