@@ -36,6 +36,7 @@ Buffer sizes per collective (n = the per-rank block ``count``, p = world size):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 IN, OUT, TMP = "in", "out", "tmp"
@@ -141,6 +142,26 @@ class Reduce:
 Op = Union[Send, Recv, Copy, Reduce]
 Step = Tuple[Op, ...]
 Topology = Tuple[int, ...]   # node id of every rank, e.g. (0, 0, 1, 1)
+
+
+@lru_cache(maxsize=256)
+def servers(topology: Topology) -> Tuple[Tuple[int, ...], ...]:
+    """The ranks of each node of ``topology``, nodes in order of their lowest rank.
+
+    Args:
+        topology (tuple): The node id of every rank.
+
+    Returns:
+        (tuple): One tuple of ranks (ascending) per node.
+
+    Examples:
+        >>> servers((1, 1, 0, 1, 0))
+        ((0, 1, 3), (2, 4))
+    """
+    members: Dict[int, List[int]] = {}
+    for r, node in enumerate(topology):
+        members.setdefault(node, []).append(r)   # dicts keep first appearance: lowest-rank order
+    return tuple(tuple(g) for g in members.values())
 
 
 def buffer_counts(collective: str, size: int, count: int) -> Tuple[int, int]:

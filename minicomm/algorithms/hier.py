@@ -97,6 +97,7 @@ from ..schedule import (
     chunk_bounds,
     concurrent,
     embed,
+    servers,
 )
 from . import rhd, ring
 
@@ -129,10 +130,7 @@ class NodeMap:
 
 @lru_cache(maxsize=256)
 def node_map(topology: Topology) -> NodeMap:
-    members: Dict[int, List[int]] = {}
-    for r, node in enumerate(topology):
-        members.setdefault(node, []).append(r)   # dicts keep first appearance: lowest-rank order
-    nodes = tuple(tuple(g) for g in members.values())
+    nodes = servers(topology)
     node_of, local_of = [0] * len(topology), [0] * len(topology)
     for k, g in enumerate(nodes):
         for i, r in enumerate(g):

@@ -41,7 +41,7 @@ Restrictions: assumes a commutative op; one aggregation tree per call.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Dict, List, NamedTuple, Sequence, Tuple
+from typing import List, NamedTuple, Sequence, Tuple
 
 from ..schedule import (
     IN,
@@ -56,6 +56,7 @@ from ..schedule import (
     buffer_counts,
     chunk_bounds,
     concurrent,
+    servers,
 )
 
 ALGORITHM = "innet"
@@ -88,11 +89,9 @@ def switch_tree(size: int, topology: Tuple[int, ...], radix: int = RADIX) -> Swi
     """The aggregation tree (module doc): a leaf switch per server, then ``radix`` per parent."""
     if radix < 2:
         raise ValueError(f"radix must be >= 2, got {radix}")
-    servers: Dict[int, List[int]] = {}
-    for r, node in enumerate(topology):
-        servers.setdefault(node, []).append(r)
-    groups = (list(servers.values()) if len(servers) > 1
-              else [list(range(i, min(i + radix, size))) for i in range(0, size, radix)])
+    nodes = servers(topology)
+    groups = (nodes if len(nodes) > 1
+              else [range(i, min(i + radix, size)) for i in range(0, size, radix)])
     parent, children, height = [-1] * size, [()] * size, [0] * size
     level = []
     for group in groups:

@@ -54,6 +54,7 @@ from ..schedule import (
     Send,
     chunk_bounds,
     concurrent,
+    servers,
 )
 
 # Broadcast segment size in elements: large enough to amortise α, small enough to pipeline.
@@ -91,10 +92,7 @@ def channel_orders(topology: Tuple[int, ...], channels: int) -> List[List[int]]:
     """Each channel's ring order (ranks): nodes in order of their lowest rank, and inside node i
     (ranks in rank order, L of them) channel c enters at local index (c*L//k - i) mod L and
     goes up cyclically, leaving from the local index the next node is entered at."""
-    members: dict = {}
-    for r, node in enumerate(topology):
-        members.setdefault(node, []).append(r)
-    nodes = list(members.values())
+    nodes = servers(topology)
     orders = []
     for c in range(channels):
         order = []

@@ -78,6 +78,7 @@ from ..schedule import (
     Topology,
     chunk_bounds,
     concurrent,
+    servers,
 )
 
 ALGORITHM = "tree"
@@ -403,21 +404,18 @@ def channel_tree(topology: Tuple[int, ...], k: int, c: int):
     """Channel c's tree over the ranks: (parent, children, depth, largest depth). The chain
     inside each server runs from the channel's entry rank; its head joins its server's parent
     server's head (-1: the root)."""
-    members: dict = {}
-    for r, node in enumerate(topology):
-        members.setdefault(node, []).append(r)
-    servers = list(members.values())
+    nodes = servers(topology)
     pairs = -(-k // 2)
     heads, parent = [], [-1] * len(topology)
-    for ranks in servers:
+    for ranks in nodes:
         L = len(ranks)
         # across servers both trees of a pair leave by one NIC; on one, every chain its own head
-        entry = (c // 2) * L // pairs if len(servers) > 1 else c * L // k
+        entry = (c // 2) * L // pairs if len(nodes) > 1 else c * L // k
         chain = [ranks[(entry + t) % L] for t in range(L)]
         for up, r in zip(chain, chain[1:]):
             parent[r] = up
         heads.append(chain[0])
-    for i, up in enumerate(double_tree(len(servers), c % 2)):
+    for i, up in enumerate(double_tree(len(nodes), c % 2)):
         if up >= 0:
             parent[heads[i]] = heads[up]
     children: List[List[int]] = [[] for _ in topology]

@@ -79,6 +79,7 @@ class LatencyPoint:
     algorithm: str
     changes: Dict[str, object] = field(default_factory=dict)
     channels: Optional[int] = None
+    nic: Optional[str] = None
 
     @property
     def figure(self) -> float:
@@ -90,7 +91,7 @@ def load_latency_points(path: str = POINTS_FILE) -> Tuple[LatencyPoint, ...]:
         doc = json.load(f)
     return tuple(LatencyPoint(d["name"], d["setup"], d["source"], tuple(d["published_us"]),
                               d["preset"], d["servers"], d["size"], d["algorithm"],
-                              dict(d.get("changes", {})), d.get("channels"))
+                              dict(d.get("changes", {})), d.get("channels"), d.get("nic"))
                  for d in doc.get("latency_points", ()))
 
 
@@ -115,8 +116,7 @@ def latency_rows(points: Sequence[LatencyPoint] = LATENCY_POINTS) -> List[Latenc
     class, and with ``protocols = "nccl"``."""
     out = []
     for pt in points:
-        topo = get_topology(pt.preset).with_servers(pt.servers)
-        topo = topo.replace(**pt.changes) if pt.changes else topo
+        topo = machine(pt)
         nbytes = parse_size(pt.size)
         times = [simulate("allreduce", pt.algorithm, t, nbytes, channels=pt.channels).time_s
                  for t in (topo, topo.replace(protocols="nccl"))]
@@ -154,8 +154,9 @@ class Row:
         return self.busbw / self.point.figure - 1.0
 
 
-def machine(point: Point):
-    """The point's simulated machine: its preset with its server count and changes."""
+def machine(point):
+    """A point's simulated machine (a ``Point`` or ``LatencyPoint``): its preset with its server
+    count and changes."""
     topo = get_topology(point.preset).with_servers(point.servers)
     changes = dict(point.changes)
     if point.nic is not None:

@@ -55,15 +55,16 @@ def counts_for(p: int, exhaustive: bool = False):
 
 @contextmanager
 def short_segments():
-    """hier's pipeline segments and the double binary tree's chunks cut at 2 elements, so that
-    the small counts verified take the pipelined paths of large calls (same code, more pieces)."""
-    saved = hier.PIPELINE_MIN_SEGMENT, tree.TREE_MIN_CHUNK
+    """hier's pipeline segments, the double binary tree's and innet's chunks cut at 2 elements,
+    so that the small counts verified take the pipelined paths of large calls (same code, more
+    pieces)."""
+    saved = hier.PIPELINE_MIN_SEGMENT, tree.TREE_MIN_CHUNK, innet.MIN_CHUNK
     build_schedule.cache_clear()
-    hier.PIPELINE_MIN_SEGMENT = tree.TREE_MIN_CHUNK = 2
+    hier.PIPELINE_MIN_SEGMENT = tree.TREE_MIN_CHUNK = innet.MIN_CHUNK = 2
     try:
         yield
     finally:
-        hier.PIPELINE_MIN_SEGMENT, tree.TREE_MIN_CHUNK = saved
+        hier.PIPELINE_MIN_SEGMENT, tree.TREE_MIN_CHUNK, innet.MIN_CHUNK = saved
         build_schedule.cache_clear()
 
 
@@ -121,21 +122,23 @@ def _verify_innet_cell(coll: str, p: int, all_roots: bool):
     roots = roots_for(p, all_roots) if coll in ROOTED else [0]
     counts = [0] if coll == "barrier" else counts_for(p, all_roots)
     topo, n, root = None, 0, 0
-    saved = innet.MIN_CHUNK
+
+    def prove(counts):
+        nonlocal topo, n, root, cases
+        for topo in topologies_for(p, all_roots):
+            for n in counts:
+                for root in roots:
+                    verify(innet.build_all(coll, p, n, root, topo))
+                    cases += 1
     try:
-        for short in (False, True):
-            innet.MIN_CHUNK = 2 if short else saved
-            for topo in topologies_for(p, all_roots):
-                for n in (pipelined_counts(p) if short and coll != "barrier" else counts):
-                    for root in roots:
-                        verify(innet.build_all(coll, p, n, root, topo))
-                        cases += 1
+        prove(counts)
+        if coll != "barrier":
+            with short_segments():
+                prove(pipelined_counts(p))
         return coll, "innet", p, cases, None
     except Exception as e:   # reported in the matrix, with the failing case
         return coll, "innet", p, cases, (f"p={p} topology={topo} count={n} root={root}: "
                                          f"{type(e).__name__}: {e}")
-    finally:
-        innet.MIN_CHUNK = saved
 
 
 def run_matrix(max_world: int = 64, all_roots: bool = False, jobs: int = 0, out=None,
