@@ -66,6 +66,8 @@ def _cmd_run(a) -> int:
                   f"(at least one worker)", file=sys.stderr)
             return 2
         os.environ["MINICOMM_NUM_SERVERS"] = str(a.servers)
+    if a.switch:
+        os.environ["MINICOMM_SWITCH"] = "1"     # rank 0 starts it (launch/switch.py)
     if a.on_failure != "end" and (a.hosts or a.hostfile):
         print("minicomm run: --on-failure continue is for jobs on this box (not --hosts)",
               file=sys.stderr)
@@ -169,8 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--algorithm", action="append", choices=FAMILIES + ("innet",),
                    metavar="FAMILY",
                    help=f"restrict to this algorithm family (repeatable): {', '.join(FAMILIES)}; "
-                        f"innet, in-network reduction with its switches, when named (its "
-                        f"schedules are proved; the runtime does not run them yet)")
+                        f"innet, in-network reduction with its switches, when named")
     v.set_defaults(func=_cmd_verify)
 
     r = sub.add_parser("run", help="launch a script on N ranks (this box, or hosts over ssh)",
@@ -187,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--servers", type=int, default=None,
                    help="parameter servers: ranks 0..K-1 serve in ps.start(comm), the rest are "
                         "workers (sets MINICOMM_NUM_SERVERS)")
+    r.add_argument("--switch", action="store_true",
+                   help="start the job's emulated in-network switch, which algorithm='innet' "
+                        "runs through (sets MINICOMM_SWITCH=1)")
     r.add_argument("--hosts", help="host:slots,host:slots (ssh)")
     r.add_argument("--hostfile", help="file of 'host [slots=N]' lines (ssh)")
     r.add_argument("--ssh-opts", default=None, help="extra ssh options (or MINICOMM_SSH)")

@@ -76,7 +76,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from .algorithms import FAMILIES
-from .schedule import COLLECTIVES, ROOTED
+from .schedule import COLLECTIVES, ROOTED, buffer_counts
 from .settings import SPIN_BYTES_PER_S, SPIN_MAX_S, SPIN_S, SPIN_SHARED_S
 from .sim import engine
 from .sim.host import HostLink, HostModel, fitted_constants
@@ -270,6 +270,17 @@ def model_costs(collective: str, p: int, nbytes: int, topology: Tuple[int, ...],
                 for f in fams}
     count = nbytes // ITEMSIZE
     return {f: schedule_time(collective, f, p, count, tuple(topology), m) for f in fams}
+
+
+def innet_time(collective: str, p: int, nbytes: int, m: LinkModel, one_node: bool) -> float:
+    """Predicted seconds of an innet call through the emulated switch (launch/switch.py): a
+    header and its verdict, the data up and back down; the switch is one process, so every
+    member's bytes cross its link in and out, and it reduces p - 1 inputs into the first."""
+    a, b = (m.alpha_intra, m.beta_intra) if one_node else (m.alpha_inter, m.beta_inter)
+    n_in, n_out = buffer_counts(collective, p, nbytes)
+    reduces = collective in ("allreduce", "reduce", "reduce_scatter")
+    return 4 * a + p * (n_in + n_out) * b + reduces * (p - 1) * n_in * m.gamma \
+        + m.call_overhead
 
 
 # ---------------------------------------------------------------------------------- simulator
@@ -584,7 +595,7 @@ def parse_algo_env(value: Optional[str] = None) -> Dict[str, str]:
     MINICOMM_ALGO, the entry and the valid choices: a typo must not silently mean auto."""
     value = os.environ.get("MINICOMM_ALGO", "") if value is None else value
     colls = list(COLLECTIVES)
-    fams = list(FAMILIES) + ["auto"]
+    fams = list(FAMILIES) + ["innet", "auto"]     # innet: where the job has a switch
     usage = (f"entries are 'collective:algorithm' separated by commas; collectives: "
              f"{', '.join(colls)}; algorithms: {', '.join(fams)}")
     out = {}

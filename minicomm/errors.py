@@ -108,7 +108,7 @@ COLLECTIVE_CODES = ("p2p", "broadcast", "reduce", "allreduce", "allgather", "red
 # rank in another call names it. "scatter:meta": scatter's header exchange (its argument check,
 # which also tells the ranks the block's shape and dtype).
 OP_CODES = ("none", "sum", "prod", "min", "max", "avg", "band", "bor", "bxor")
-ALGO_CODES = ("none", "ring", "tree", "rhd", "hier")
+ALGO_CODES = ("none", "ring", "tree", "rhd", "hier", "innet")
 
 
 def pack_call(collective: str, op: str, algorithm: str, dtype, root: int) -> int:
@@ -139,6 +139,18 @@ def fingerprint_call(call: int) -> int:
 def call_reduces(call: int) -> bool:
     """Whether the packed call ``call`` combines data with an op (its receives may reduce)."""
     return (call >> 5) & 15 != 0
+
+
+def decode_call(call: int):
+    """(collective, op, dtype) of a packed call (``pack_call``)."""
+    dnum = (call >> 13) & 255
+    dtype = next((np.dtype(t) for t in np.sctypeDict.values() if np.dtype(t).num == dnum), None)
+    return COLLECTIVE_CODES[call & 31], OP_CODES[(call >> 5) & 15], dtype
+
+
+def signature(call: int, count: int) -> _Sig:
+    """A packed call and its count, in the form ``describe_call`` reads."""
+    return _Sig(call, count)
 
 
 def describe_call(tag) -> str:

@@ -39,7 +39,9 @@ jobs that carry the same identity share this port (generic ``RANK`` / ``WORLD_SI
 member (the store is poisoned: every call, waiting ones included, raises the conflict; the host
 closing it with ``linger`` first waits until every connected member has been sent that verdict);
 after it is complete only the newcomer is refused. ``wait_world`` blocks until every rank has
-joined, or reports how many did (``CommTimeout``).
+joined, or reports how many did (``CommTimeout``). One more member may join a job: its emulated
+in-network switch (``role`` ``AUX_SWITCH``, rank = the world size), which is not a rank of the
+world; ``PrefixedStore`` gives it and the ranks' links to it their own key space.
 
 Peer links. ``dial_peer`` and ``accept_peers`` build the authenticated full mesh that shm and tcp
 use: the higher rank dials the lower one, authenticates, and both sides exchange ranks. Incoming
@@ -339,6 +341,7 @@ class _Gate:
 _OP_SET, _OP_GET, _OP_ADD, _OP_JOIN, _OP_WAIT_WORLD = 1, 2, 3, 4, 5
 _ST_OK, _ST_TIMEOUT, _ST_ERROR, _ST_REFUSED, _ST_POISONED = 0, 1, 2, 3, 4
 _MAX_JOIN = 1 << 16                   # a join record is a small JSON object
+AUX_SWITCH = "switch"                 # the role of the job's switch in its join record
 _REQ = struct.Struct("!BIQ")          # op, key length, value length
 _RESP = struct.Struct("!BQ")          # status, payload length
 _MAX_KEY = 4096
@@ -365,6 +368,7 @@ class StoreServer:
         self._job = None if job is None else (str(job[0]), int(job[1]))
         self._members: Dict[int, dict] = {}      # rank -> its join record
         self._complete = False
+        self._aux: Optional[dict] = None         # the job's switch (AUX_SWITCH), if it joined
         self._poisoned: Optional[str] = None     # why every call now fails
         self._data: Dict[str, bytes] = {}
         self._writer: Dict[str, int] = {}        # key -> the connection that wrote it first
@@ -553,6 +557,13 @@ class StoreServer:
         if (job, size) != self._job:
             return _ST_REFUSED, (f"this rendezvous store serves {mine}; the joining process "
                                  f"belongs to {theirs}").encode()
+        if rec.get("role") == AUX_SWITCH and rank == size:
+            # the job's emulated in-network switch: a member that is not a rank of the world
+            if self._aux is not None and self._aux["member"] != member:
+                return _ST_REFUSED, (f"{mine} already has a switch "
+                                     f"({_describe_member(self._aux)})").encode()
+            self._aux = rec
+            return _ST_OK, b""
         if not 0 <= rank < size:
             return _ST_REFUSED, f"rank {rank} is outside {mine}".encode()
         prev = self._members.get(rank)
@@ -940,3 +951,23 @@ def accept_peers(listener: socket.socket, token: bytes, my_rank: int, expected: 
         gate.close()
         sel.close()
     return got
+
+
+class PrefixedStore:
+    """A store's keys under ``prefix``: a second set of links (the switch's) set up through the
+    same store without meeting the world's keys."""
+
+    def __init__(self, store, prefix: str):
+        self._store, self._prefix = store, prefix
+
+    def set(self, key: str, value: bytes) -> None:
+        self._store.set(self._prefix + key, value)
+
+    def get(self, key: str, timeout: Optional[float] = None) -> bytes:
+        return self._store.get(self._prefix + key, timeout)
+
+    def add(self, key: str, delta: int = 1) -> int:
+        return self._store.add(self._prefix + key, delta)
+
+    def local_address(self) -> str:
+        return self._store.local_address()

@@ -122,15 +122,16 @@ def check_one(comm, coll, algorithm, count, dtype, op=None, root=0, inplace=Fals
 
 
 def matrix(comm, algorithm, counts=(0, 1, 7), dtypes=("int32", "float64", "bool"),
-           all_roots=True, every_op=True) -> int:
-    """The Gloo-style matrix for one communicator and one algorithm; returns the number of checks."""
+           all_roots=True, every_op=True, colls=COLLS) -> int:
+    """The Gloo-style matrix for one communicator and one algorithm (its collectives ``colls``);
+    returns the number of checks."""
     p = comm.size
     n = 0
     roots = range(p) if all_roots else sorted({0, p - 1})
     for dtype in dtypes:
         ops = ops_for(dtype) if every_op else ops_for(dtype)[:1]
         for count in counts:
-            for coll in COLLS:
+            for coll in colls:
                 if coll in ("allreduce", "reduce", "reduce_scatter"):
                     for op in ops:
                         for root in (roots if coll == "reduce" else [0]):

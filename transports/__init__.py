@@ -74,16 +74,19 @@ def _left(deadline: float) -> float:
 
 def connect(kind: str, rank: int, size: int, store, job_id: str, token: bytes,
             node_of_rank: Sequence, timeout: float, bind_host: str = "127.0.0.1",
-            host_of_rank: Optional[Sequence] = None) -> Transport:
+            host_of_rank: Optional[Sequence] = None,
+            peers: Optional[Sequence[int]] = None) -> Transport:
     """The transport of ``rank``: ``kind`` is "auto", or one of ``_BUILDERS`` for every peer.
     ``node_of_rank``: the logical node of every rank; ``host_of_rank``: the physical host of
-    every rank (None: the node map, i.e. every node its own host)."""
+    every rank (None: the node map, i.e. every node its own host). ``peers``: the ranks to
+    connect to (None: every other rank; the in-network switch's links are a star)."""
     nodes = list(node_of_rank)
     hosts = nodes if host_of_rank is None else list(host_of_rank)
     if len(nodes) != size or len(hosts) != size:
         raise ValueError(f"node_of_rank / host_of_rank have {len(nodes)} / {len(hosts)} entries "
                          f"for a world of {size}")
-    peers = [r for r in range(size) if r != rank]
+    peers = ([r for r in range(size) if r != rank] if peers is None
+             else [r for r in peers if r != rank])
 
     def reachable(k: str, r: int) -> bool:
         return k not in _SAME_HOST or hosts[r] == hosts[rank]

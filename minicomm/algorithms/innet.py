@@ -85,8 +85,12 @@ class SwitchTree(NamedTuple):
 
 
 @lru_cache(maxsize=256)
-def switch_tree(size: int, topology: Tuple[int, ...], radix: int = RADIX) -> SwitchTree:
-    """The aggregation tree (module doc): a leaf switch per server, then ``radix`` per parent."""
+def switch_tree(size: int, topology: Tuple[int, ...], radix: int = RADIX,
+                levels: Tuple[Tuple[int, ...], ...] = ()) -> SwitchTree:
+    """The aggregation tree (module doc): a leaf switch per server, then ``radix`` per parent.
+    ``levels``: a fabric's shape instead of ``radix`` (the simulator's SHARP fat-tree): for each
+    level above the leaf switches, the sizes of its consecutive groups of children (the servers
+    under each network leaf switch, then the leaves under each spine, ...); ``radix`` above."""
     if radix < 2:
         raise ValueError(f"radix must be >= 2, got {radix}")
     nodes = servers(topology)
@@ -106,12 +110,12 @@ def switch_tree(size: int, topology: Tuple[int, ...], radix: int = RADIX) -> Swi
     while len(level) > 1:
         h += 1
         nxt = []
-        for i in range(0, len(level), radix):
+        for i, j in _spans(len(level), radix, levels[h - 2] if h - 2 < len(levels) else ()):
             s = len(parent)
             parent.append(-1)
-            children.append(tuple(level[i:i + radix]))
+            children.append(tuple(level[i:j]))
             height.append(h)
-            for c in level[i:i + radix]:
+            for c in level[i:j]:
                 parent[c] = s
             nxt.append(s)
         level = nxt
@@ -121,9 +125,20 @@ def switch_tree(size: int, topology: Tuple[int, ...], radix: int = RADIX) -> Swi
     return SwitchTree(size, tuple(parent), tuple(children), tuple(height), h, tuple(under))
 
 
-def participants(size: int, topology: Sequence[int]) -> int:
+def _spans(n: int, radix: int, sizes: Tuple[int, ...]) -> List[Tuple[int, int]]:
+    """[start, end) of each group of a level of n switches: ``sizes`` consecutive, else radix."""
+    if not sizes:
+        return [(i, min(i + radix, n)) for i in range(0, n, radix)]
+    if sum(sizes) != n or min(sizes) < 1:
+        raise ValueError(f"levels: groups of {list(sizes)} do not cover the {n} switches below")
+    ends = [sum(sizes[:k + 1]) for k in range(len(sizes))]
+    return list(zip([0] + ends[:-1], ends))
+
+
+def participants(size: int, topology: Sequence[int],
+                 levels: Tuple[Tuple[int, ...], ...] = ()) -> int:
     """Ranks and switches of a call on ``size`` ranks placed on ``topology``."""
-    return switch_tree(size, tuple(topology)).participants
+    return switch_tree(size, tuple(topology), levels=levels).participants
 
 
 def _runs(ranks: Sequence[int]) -> List[Tuple[int, int]]:
@@ -143,12 +158,15 @@ def chunks(count: int) -> List[Tuple[int, int]]:
 
 
 def build(collective: str, rank: int, size: int, count: int, root: int,
-          topology: Sequence[int]) -> Schedule:
-    """The schedule of participant ``rank``: a rank below ``size``, a switch from it on."""
+          topology: Sequence[int], radix: int = RADIX,
+          levels: Tuple[Tuple[int, ...], ...] = ()) -> Schedule:
+    """The schedule of participant ``rank``: a rank below ``size``, a switch from it on.
+    ``radix``: children per switch (``size`` on one server: a single switch, as the runtime's
+    emulated switch is); ``levels``: a fabric-shaped tree instead (``switch_tree``)."""
     if collective not in COLLECTIVES:
         raise ValueError(f"innet has no {collective}: a switch reduces and multicasts, which "
                          f"{collective} does not use; choose one of {', '.join(COLLECTIVES)}")
-    tree = switch_tree(size, tuple(topology))
+    tree = switch_tree(size, tuple(topology), radix, tuple(map(tuple, levels)))
     if not 0 <= rank < tree.participants:
         raise ValueError(f"participant {rank} outside 0..{tree.participants - 1}")
     placed: Placed = []
@@ -266,9 +284,11 @@ _PLANS = {"allreduce": _allreduce, "reduce": _reduce, "broadcast": _broadcast,
 
 
 def build_all(collective: str, size: int, count: int, root: int = 0,
-              topology: Sequence[int] = ()) -> List[Schedule]:
+              topology: Sequence[int] = (), radix: int = RADIX,
+              levels: Tuple[Tuple[int, ...], ...] = ()) -> List[Schedule]:
     """Every participant's schedule of one call (ranks, then switches): what the verifier
     takes."""
     topo = tuple(topology) or (0,) * size
-    return [build(collective, r, size, count, root, topo)
-            for r in range(participants(size, topo))]
+    levels = tuple(map(tuple, levels))
+    return [build(collective, r, size, count, root, topo, radix, levels)
+            for r in range(switch_tree(size, topo, radix, levels).participants)]

@@ -15,8 +15,8 @@ import time
 import numpy as np
 
 from .. import ops as _ops
-from ..algorithms import FAMILIES, build_schedule
-from ..cost import LinkModel, choose
+from ..algorithms import FAMILIES, build_schedule, innet
+from ..cost import LinkModel, choose, innet_time, model_costs
 from ..errors import CommError, pack_call
 from ..executor import Plan, run_plan
 from ..flightrecord import ENDED
@@ -27,6 +27,7 @@ from ..trace import tracing_enabled
 from ..transports.base import Tag
 from .buffers import LAYOUT, NONE, RESULT_AT_ROOT, STACKED, InPlace
 from .cache import BoundedCache
+from .switchlink import BUSY, OK, SwitchRefused, operation_bytes
 
 # MINICOMM_SMALL_PATH=0: every call runs through the executor (the small path's off switch,
 # docs/decisions/small-message-path.md)
@@ -46,7 +47,7 @@ class Call:
     out may share memory, the avg division)."""
     __slots__ = ("coll", "algo", "call", "plan", "kernel", "rooted", "label", "requested",
                  "small", "run", "run_guarded", "hot", "tmp", "alias0", "count", "no_result",
-                 "out_count", "separate", "avg", "root")
+                 "out_count", "separate", "avg", "root", "key")
 
     def __init__(self, coll, algo, call, plan, kernel, label, requested, count):
         self.coll, self.algo, self.call, self.plan, self.kernel = coll, algo, call, plan, kernel
@@ -113,20 +114,61 @@ class CallPlans:
         self._calls.clear()
         self._scatter_headers.clear()
 
-    def _resolve_algorithm(self, coll: str, algorithm, nbytes: int) -> str:
+    def _resolve_algorithm(self, coll: str, algorithm, nbytes: int, count: int = 0,
+                           itemsize: int = 1) -> str:
         if algorithm is None or algorithm == "auto":
             fam = self._algo_env.get(coll)
+            if fam == "innet" and self._innet_refused:
+                fam = None            # the switch declined it: the model chooses a host family
             if fam is None:
-                return choose(coll, self.size, nbytes, self.topology, self.link_model)
+                fam = choose(coll, self.size, nbytes, self.topology, self.link_model)
+                return "innet" if self._innet_pays(coll, fam, nbytes, count, itemsize) else fam
             algorithm = fam
+        if algorithm == "innet":
+            self._check_innet(coll, count, itemsize)
+            return algorithm
         if algorithm not in FAMILIES:
             raise ValueError(f"unknown algorithm {algorithm!r}; choose one of "
                              f"{', '.join(FAMILIES)} or 'auto'")
         return algorithm
 
+    def _check_innet(self, coll: str, count: int, itemsize: int) -> None:
+        """``algorithm="innet"`` asked for by name: a ValueError where it cannot run, a
+        ``SwitchRefused`` where the call is over the switch's limit (switchlink.py)."""
+        sw = self._switch
+        if sw is None:
+            raise ValueError("algorithm='innet' needs an in-network switch, and this job has "
+                             "none: start one with mc.spawn(..., switch=True), `minicomm run "
+                             "--switch`, or MINICOMM_SWITCH=1 under another launcher")
+        if coll not in innet.COLLECTIVES:
+            raise ValueError(f"algorithm='innet' has no {coll}: a switch reduces and "
+                             f"multicasts; innet runs {', '.join(innet.COLLECTIVES)}")
+        nbytes = operation_bytes(coll, self.size, count, itemsize)
+        if nbytes > sw.max_bytes:
+            raise SwitchRefused(f"{coll} (innet): {nbytes} bytes is over {sw.describe()}'s "
+                                f"limit of {sw.max_bytes} bytes per operation "
+                                f"(MINICOMM_SWITCH_MAX_BYTES); use algorithm='auto' to fall "
+                                f"back to a host family")
+
+    def _innet_pays(self, coll: str, fam: str, nbytes: int, count: int, itemsize: int) -> bool:
+        """Under auto: innet where the job has a switch that takes this call, and the model
+        prices it below the host family ``fam`` (cost.innet_time)."""
+        sw = self._switch
+        if sw is None or self._innet_refused or coll not in innet.COLLECTIVES \
+                or operation_bytes(coll, self.size, count, itemsize) > sw.max_bytes \
+                or self.size < 2:
+            return False
+        m = self.link_model
+        host = model_costs(coll, self.size, nbytes, self.topology, m)[fam]
+        return innet_time(coll, self.size, nbytes, m, self.num_nodes == 1) < host
+
     def _plan(self, coll: str, algo: str, count: int, root: int) -> Plan:
         key = (coll, algo, count, root)
         plan = self._plans.get(key)
+        if plan is None and algo == "innet":     # one switch above the group (switch.py)
+            sched = innet.build(coll, self.rank, self.size, count, root, (0,) * self.size,
+                                radix=max(2, self.size))
+            return self._plans.put(key, Plan(sched, self.group + (self._switch.switch_rank,)))
         if plan is None:
             channels = self.channels if algo in ("ring", "tree") else 1
             topo = self.topology if algo == "hier" or channels > 1 else None
@@ -161,16 +203,19 @@ class CallPlans:
 
     def _bind_call(self, coll: str, op: str, algorithm, dtype: np.dtype, count: int,
                    root: int) -> Call:
-        algo = self._resolve_algorithm(coll, algorithm, count * dtype.itemsize)
+        algo = self._resolve_algorithm(coll, algorithm, count * dtype.itemsize, count,
+                                       dtype.itemsize)
         plan = self._plan(coll, algo, count, root)
         rooted = coll in ROOTED
         # the label is what wait_all names in errors (they add the step and the call's number)
         c = Call(coll, algo, pack_call(coll, op, algo, dtype, root if rooted else -1), plan,
                  _ops.get_kernel(op) if op != "none" else None, f"{coll} ({algo})",
                  algorithm not in (None, "auto"), count)
+        c.key = (coll, op, algorithm, dtype, count, root)
         if rooted:
             c.root = root
-        c.small = self._small(plan, dtype)
+        # through the switch's link: no small path, no hot path
+        c.small = self._small(plan, dtype) if algo != "innet" else None
         if c.small is not None:
             c.run = straight_line(c.small, True)          # an eager channel has sendrecv_now
             if rooted:
@@ -212,6 +257,8 @@ class CallPlans:
         flight = self._flight
         if flight is not None:        # numbered by its first exchange: the same on every rank
             rec = flight.repeat(self._seq + 1, c)
+        if c.algo == "innet":         # the switch compares the group's calls itself
+            fingerprint = fingerprint and self.check == "full"
         if fingerprint and self.size > 1 and (c.rooted or self.check == "full"):
             if self.check == "full":
                 self._fingerprint_check(c.call, count, shape)
@@ -235,7 +282,14 @@ class CallPlans:
         if tmp is None or tmp.size < n:
             tmp = self._tmp(outb.dtype, n)
         bufs = (inb, outb, tmp[:n])
-        if c.run is not None and guard is None and self.small_path:
+        if c.algo == "innet":
+            if not self._run_innet(c, bufs, count, seq):
+                # auto, and the switch declined: this call and the later ones go to the host
+                # families (every member got the same verdict)
+                self._innet_refused = True
+                self._forget_calls()
+                self._run_call_unchecked(self._prepare(*c.key), inb, outb, count, shape, False)
+        elif c.run is not None and guard is None and self.small_path:
             # latency-bound: the compiled plan, unrolled; a rooted call's fingerprints travel
             # with it (small_guard)
             if small_guard is None:
@@ -253,3 +307,32 @@ class CallPlans:
                      oversubscribed=self.caps.oversubscribed)
         if rec is not None:
             rec[ENDED] = time.monotonic()
+
+    def _run_innet(self, c: Call, bufs, count: int, seq: int) -> bool:
+        """One operation through the switch (switchlink.py): its verdict, then the rank's half
+        of the innet schedule. False: auto's call was declined (BUSY, TOO_LARGE)."""
+        sw = self._switch
+        deadline = time.monotonic() + self.timeout
+        with sw.lock:
+            status, detail = sw.admit(self._ctx, seq, c.call, count,
+                                      c.root if c.rooted else -1, self.group, deadline, c.label)
+            if status != OK:
+                why = (f"{sw.describe()} holds its {detail} aggregation groups "
+                       f"(MINICOMM_SWITCH_GROUPS)" if status == BUSY
+                       else f"over {sw.describe()}'s {detail} bytes per operation")
+                if c.requested:
+                    raise SwitchRefused(f"{c.label}: the switch declined it: {why}; use "
+                                        f"algorithm='auto' to fall back to a host family")
+                if self.debug_info:
+                    self._log(f"{c.coll} #{seq}: the switch declined innet ({why}); falling "
+                              f"back to a host family for this communicator")
+                return False
+            self._innet_used = True
+            try:
+                run_plan(c.plan, sw.transport, bufs, c.kernel,
+                         new_tag(Tag, (self._ctx, seq, 0, c.call, count)), deadline, c.label)
+            except CommError as e:
+                if getattr(e, "peer", None) == sw.switch_rank:
+                    raise sw.failure(e) from None
+                raise
+        return True

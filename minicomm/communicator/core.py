@@ -90,6 +90,9 @@ class Communicator(Collectives, ScatterHeader, ObjectCollectives, PointToPoint, 
         self._init_lifecycle(_owner)
         self._init_fingerprints(CACHE_ENTRIES)
         self._init_scatter()
+        self._switch = None               # the job's in-network switch link (launch/switch.py)
+        self._innet_refused = False       # auto stops asking the switch once it declined
+        self._innet_used = False          # this communicator holds a group on the switch
         self._init_calls(link_model)      # sets link_model, which clears the scatter plans too
         self._p2p = P2PEngine(transport, rank, self.group, context(comm_id, P2P))
 

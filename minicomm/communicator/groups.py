@@ -70,6 +70,7 @@ class Groups:
                          _owner=owner, _caps=self.caps)
         if new._flight is not None and self._flight is not None:
             new._flight.directory = self._flight.directory   # the job's dumps stay together
+        new._switch = self._switch
         return new
 
     @serialized("window")

@@ -436,6 +436,9 @@ class Lifecycle:
 
     def _release(self) -> None:
         """A split communicator drops its contexts; the world closes its transport and store."""
+        sw = self._switch
+        if sw is not None and self._innet_used:
+            sw.release(self._ctx, self.group)    # the switch's aggregation group is free again
         if not self._owner:
             closed = CommError("communicator is closed")
             self.transport.cancel_context(self._ctx, closed)     # drop what peers still send
@@ -444,6 +447,8 @@ class Lifecycle:
         if self._world is not self:
             self._world.close()       # a shrunk world: the launcher's world holds the store
             return
+        if sw is not None:
+            sw.close()
         self.transport.close()
         for res in (self._store, self._store_server):
             if res is not None:

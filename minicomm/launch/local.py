@@ -50,7 +50,7 @@ ON_FAILURE = ("end", "continue")   # what a rank's failure does to the others (s
 # ---------------------------------------------------------------------------------- spawn
 def spawn(fn: Callable, world_size: int, args: Sequence = (), transport: str = "auto",
           nodes: int = 1, timeout: Optional[float] = None,
-          on_failure: str = "end") -> List[Any]:
+          on_failure: str = "end", switch: bool = False) -> List[Any]:
     """Run ``fn(comm, *args)`` on ``world_size`` ranks; return the results by rank.
 
     Args:
@@ -67,6 +67,8 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), transport: str = "
         on_failure (str): "end": after the first failure the others get a grace period to fail
             by themselves, then are killed. "continue": a failure ends no other rank; the
             survivors go on (``comm.shrink()``) and spawn waits for every rank.
+        switch (bool): Start the job's emulated in-network switch (launch/switch.py), which
+            ``algorithm="innet"`` runs through; process worlds only.
 
     Returns:
         (list): ``fn``'s return value on each rank, by rank.
@@ -95,10 +97,13 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), transport: str = "
     parse_algo_env()
     flightrecord.record_capacity()
     topology = node_map(world_size, nodes)
+    if transport == "inproc" and switch:
+        raise ValueError("switch=True needs a process world: the switch is a process that the "
+                         "ranks reach over shm or tcp; choose transport auto, shm or tcp")
     if transport == "inproc":
         return _spawn_threads(fn, world_size, tuple(args), topology, timeout, on_failure)
     return _spawn_processes(fn, world_size, tuple(args), transport, topology, timeout,
-                            on_failure)
+                            on_failure, switch)
 
 
 def _order_failures(failures):
@@ -210,7 +215,8 @@ def _sweep(job_id: str) -> None:
 last_job_id: Optional[str] = None   # of the latest process job (tests check it left nothing)
 
 
-def _spawn_processes(fn, world_size, args, transport, topology, timeout, on_failure):
+def _spawn_processes(fn, world_size, args, transport, topology, timeout, on_failure,
+                     switch=False):
     global last_job_id
     job_id = last_job_id = secrets.token_hex(6)
     host = socket.gethostname()
@@ -227,7 +233,8 @@ def _spawn_processes(fn, world_size, args, transport, topology, timeout, on_fail
                        hosts=(host,) * world_size,      # emulated nodes, one machine
                        master_addr="127.0.0.1", master_port=server.port, token=token.hex(),
                        job_id=job_id, transport=transport, timeout=timeout, result_fd=wfd,
-                       sys_path=list(sys.path), cwd=os.getcwd(), flight_dir=records.directory)
+                       sys_path=list(sys.path), cwd=os.getcwd(), flight_dir=records.directory,
+                       switch=switch)
             payload = cloudpickle.dumps(cfg) + blob
             p = subprocess.Popen([sys.executable, "-m", "minicomm.launch.worker", str(os.getpid())],
                                  stdin=subprocess.PIPE,

@@ -23,9 +23,11 @@ from ..communicator import Communicator
 from ..cost import LinkModel
 from ..errors import CommError, CommTimeout
 from ..rendezvous import AuthError, RendezvousError, StoreClient, StoreServer, rank_ranges
-from ..settings import env_timeout, timeout_arg
+from ..communicator.switchlink import ENV_SWITCH
+from ..settings import env_flag, env_timeout, timeout_arg
 from ..transports import connect, fault
 from ..transports.progress import SPIN_S
+from . import switch
 
 TRANSPORTS = ("auto", "shm", "tcp", "rdma", "ub", "inproc")
 
@@ -87,6 +89,11 @@ def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
     identity = str(cfg.get("identity") or cfg["job_id"])
     addr = cfg["master_addr"]
     server = cfg.get("store_server")
+    want_switch = bool(cfg.get("switch")) or env_flag(ENV_SWITCH, False)
+    if want_switch and store is not None:
+        raise ValueError("an in-network switch (MINICOMM_SWITCH=1) needs minicomm's own "
+                         "rendezvous store, which the switch joins; this world was given "
+                         "another store")
     if store is not None:
         server = None
         store.join(identity, cfg["size"], rank, node=str(cfg.get("node")),
@@ -108,11 +115,20 @@ def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
     if hosts is None:
         hosts = tuple(str(members[r].get("machine")) for r in range(size))
     bind = os.environ.get("MINICOMM_BIND") or os.environ.get("MINICOMM_SOCKET_IFNAME_ADDR")
+    bind_host = bind or _peer_bind(addr, store)
+    switch_process = t = link = None
     try:
+        if want_switch and rank == 0:     # started first: its start overlaps the ranks' links
+            switch_process = switch.start(cfg, topology, hosts, bind_host, _left(deadline))
         t = connect(kind, rank, size, store, cfg["job_id"], token, tuple(topology),
-                    _left(deadline),
-                    bind_host=bind or _peer_bind(addr, store), host_of_rank=tuple(hosts))
+                    _left(deadline), bind_host=bind_host, host_of_rank=tuple(hosts))
+        if want_switch:
+            link = switch.connect_link(cfg, store, topology, hosts, bind_host, deadline,
+                                       switch_process)
     except BaseException:
+        if t is not None:
+            t.close()
+        switch.stop(switch_process)
         store.close()
         _close_server(server, deadline)
         raise
@@ -121,6 +137,7 @@ def connect_world(cfg: Dict[str, Any], store: Any = None) -> Communicator:
     comm = Communicator(t, rank, size, topology=topology, timeout=timeout,
                         link_model=LinkModel.for_transports(intra, inter, spin=SPIN_S))
     comm._store, comm._store_server = store, server
+    comm._switch = link
     _agree_links(comm, t, intra, inter)
     if comm.debug_info and comm.caps.describe is not None:
         comm._log(f"transports: {comm.caps.describe()}")
