@@ -273,14 +273,17 @@ def model_costs(collective: str, p: int, nbytes: int, topology: Tuple[int, ...],
 
 
 def innet_time(collective: str, p: int, nbytes: int, m: LinkModel, one_node: bool) -> float:
-    """Predicted seconds of an innet call through the emulated switch (launch/switch.py): a
-    header and its verdict, the data up and back down; the switch is one process, so every
-    member's bytes cross its link in and out, and it reduces p - 1 inputs into the first."""
+    """Predicted seconds of an innet call through the emulated switch (launch/switch.py): four
+    hops one after another (header, verdict, up, down), each waking a process where the ranks
+    and the switch outnumber the cores; the switch is one process, so it handles the 4p
+    messages one at a time (an α each), every member's bytes cross its link in and out, and
+    it reduces p - 1 inputs into the first."""
     a, b = (m.alpha_intra, m.beta_intra) if one_node else (m.alpha_inter, m.beta_inter)
     n_in, n_out = buffer_counts(collective, p, nbytes)
     reduces = collective in ("allreduce", "reduce", "reduce_scatter")
-    return 4 * a + p * (n_in + n_out) * b + reduces * (p - 1) * n_in * m.gamma \
-        + m.call_overhead
+    wake = m.wake if 0 < m.cores < p + 1 else 0.0
+    return 4 * (a + wake) + 4 * p * a + p * (n_in + n_out) * b \
+        + reduces * (p - 1) * n_in * m.gamma + m.call_overhead
 
 
 # ---------------------------------------------------------------------------------- simulator

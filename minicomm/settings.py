@@ -255,6 +255,16 @@ SETTINGS: Tuple[Setting, ...] = (
             "allreduce, which on 2 or more is NCCL's double binary tree. On one machine they "
             "are concurrent streams; one stays the default here (docs/decisions/ring-channels.md).",
             _CHOICE),
+    Setting("MINICOMM_SWITCH", "off", "flag",
+            "Give the job an emulated in-network switch, which `algorithm=\"innet\"` runs "
+            "through: rank 0 starts it (what `minicomm run --switch` and `mc.spawn(..., "
+            "switch=True)` set).", _CHOICE, "`minicomm run --switch`"),
+    Setting("MINICOMM_SWITCH_MAX_BYTES", "268435456 (256 MiB)", "bytes",
+            "The switch's limit per operation (its largest buffer); a larger innet call is "
+            "refused: `auto` falls back to a host family, `innet` by name raises.", _CHOICE),
+    Setting("MINICOMM_SWITCH_GROUPS", "8", "integer >= 0",
+            "Aggregation groups the switch holds at once (one per communicator that used innet, "
+            "until it closes); past them a call is refused as above.", _CHOICE),
     Setting("MINICOMM_TUNE", "on", "flag",
             "Measure the links at world start (once per machine, then cached); off: the cost "
             "model's built-in constants.", _CHOICE),

@@ -525,7 +525,7 @@ def run(cfg: BenchConfig) -> List[dict]:
         return _peers.run_under_mpiexec(cfg, rank_module="minicomm.tools.bench")
     from ..launch import spawn
     return spawn(rank_main, cfg.nranks, args=(cfg,), transport=cfg.transport, nodes=cfg.nodes,
-                 timeout=None)[0]
+                 timeout=None, switch="innet" in cfg.algorithms)[0]
 
 
 _NO_TUNE = object()
@@ -574,7 +574,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ops: default shm,rdma,ub; collectives: e.g. shm,rdma,ub)")
     p.add_argument("--nodes", type=int, default=1, help="emulated nodes (blocks of ranks)")
     p.add_argument("--algorithms", default="auto",
-                   help=f"comma list of {', '.join(FAMILIES)}, auto (default auto)")
+                   help=f"comma list of {', '.join(FAMILIES)}, innet (in-network reduction: "
+                        f"the job gets an emulated switch), auto (default auto)")
     p.add_argument("-d", "--datatype", default="float32", choices=sorted(DTYPES),
                    help="element type of the buffers (default: float32)")
     p.add_argument("-o", "--op", default="sum", choices=OPS,

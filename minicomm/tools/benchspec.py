@@ -272,10 +272,10 @@ class BenchConfig:
         if bad or not self.collectives:
             raise BenchError(f"unknown collective {', '.join(bad) or '(none)'}; choose from "
                              f"{', '.join(COLLECTIVES)} or 'all'")
-        bad = [a for a in self.algorithms if a not in FAMILIES + ("auto",)]
+        bad = [a for a in self.algorithms if a not in FAMILIES + ("innet", "auto")]
         if bad or not self.algorithms:
             raise BenchError(f"unknown algorithm {', '.join(bad) or '(none)'}; choose from "
-                             f"{', '.join(FAMILIES)}, auto")
+                             f"{', '.join(FAMILIES)}, innet (the job gets a switch), auto")
         bad = [p for p in self.peers if p not in PEERS]
         if bad:
             raise BenchError(f"unknown peer {', '.join(bad)}; choose from {', '.join(PEERS)}")
