@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -25,8 +26,13 @@ def _switch_processes():
 
 @pytest.fixture(autouse=True)
 def no_switch_left():
+    """A switch ends when rank 0 does (its orderly exit is bounded by lifeline.EXIT_GRACE)."""
+    from minicomm.launch.lifeline import EXIT_GRACE
     before = _switch_processes()
     yield
+    deadline = time.monotonic() + EXIT_GRACE + 2.0
+    while _switch_processes() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _switch_processes() - before == set(), "a switch process was left running"
 
 
