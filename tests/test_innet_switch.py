@@ -8,10 +8,10 @@ import time
 
 import numpy as np
 import pytest
-from collective_check import matrix
-from leaks import nothing_left_behind  # noqa: F401
 
 import minicomm as mc
+from collective_check import matrix
+from leaks import nothing_left_behind  # noqa: F401
 from minicomm.algorithms import innet
 from minicomm.errors import MismatchError, PeerFailure, SpawnError
 
