@@ -20,10 +20,10 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from .. import flightrecord
 from ..communicator import Communicator
+from ..communicator.switchlink import ENV_SWITCH
 from ..cost import LinkModel
 from ..errors import CommError, CommTimeout
 from ..rendezvous import AuthError, RendezvousError, StoreClient, StoreServer, rank_ranges
-from ..communicator.switchlink import ENV_SWITCH
 from ..settings import env_flag, env_timeout, timeout_arg
 from ..transports import connect, fault
 from ..transports.progress import SPIN_S
