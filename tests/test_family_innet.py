@@ -15,7 +15,7 @@ def _maps(p):
 
 @pytest.fixture
 def short_chunks(monkeypatch):
-    monkeypatch.setattr(innet, "MIN_CHUNK", 3)      # so that small counts pipeline
+    monkeypatch.setattr(innet, "CHUNK_SCALE", 1)    # so that small counts pipeline
 
 
 @pytest.mark.parametrize("collective", innet.COLLECTIVES)
@@ -58,11 +58,22 @@ def test_an_endpoint_sends_and_receives_the_vector_once():
 
 
 def test_long_calls_are_cut_into_chunks_that_pipeline(short_chunks):
-    scheds = innet.build_all("allreduce", 4, 30, 0, (0,) * 4)      # 10 chunks, one switch
+    scheds = innet.build_all("allreduce", 4, 36, 0, (0,) * 4)      # sqrt(36) = 6 chunks
     sends = [o for st in scheds[0].steps for o in st if isinstance(o, Send)]
-    assert len(sends) == 10 and all(o.count == 3 for o in sends)
-    assert len(scheds[0].steps) == 10 + 1     # chunk t up at t, down at t + 1
+    assert len(sends) == 6 and all(o.count == 6 for o in sends)
+    assert len(scheds[0].steps) == 6 + 1      # chunk t up at t, down at t + 1
     verify(scheds)
+
+
+def test_the_chunk_count_minimises_the_lock_step_pipeline():
+    """S = sqrt((2H-1) n / CHUNK_SCALE) minimises (S + 2H - 1)(α + (n/S)β) when CHUNK_SCALE
+    is α/β: checked against a brute-force minimum over S, for one and three levels."""
+    for levels in (1, 3):
+        for n in (innet.CHUNK_SCALE * 100, innet.CHUNK_SCALE * 600):
+            alpha, beta = innet.CHUNK_SCALE * 1.0, 1.0        # α/β = CHUNK_SCALE elements
+            best = min(range(1, 200), key=lambda s: (s + 2 * levels - 1) * (alpha + n / s * beta))
+            got = len(innet.chunks(n, levels))
+            assert abs(got - best) <= 1, (levels, n, got, best)
 
 
 def test_collectives_a_switch_cannot_help_are_refused():

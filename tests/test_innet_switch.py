@@ -51,7 +51,7 @@ def test_the_collective_matrix_through_the_switch(transport, nodes):
 
 
 def test_more_dtypes_and_a_long_vector_that_pipelines():
-    counts = (innet.MIN_CHUNK * 3 + 5,)
+    counts = (innet.CHUNK_SCALE * 4 + 5,)     # two chunks
     n = mc.spawn(_matrix, 4, args=(counts, ("float32", "int64", "uint8", "complex64", "float16"),
                                    False), transport="shm", switch=True, timeout=60)
     assert n[0] > 20

@@ -14,7 +14,8 @@ at t + 2H - h - 1 and forwards it at t + 2H - h. Every Send meets its Recv in th
 chunks pipeline and nothing waits out of turn.
 
 Chunks. Allreduce, reduce and broadcast cut the vector into S = min(MAX_CHUNKS,
-n // MIN_CHUNK) chunks (at least 1) that pipeline through the switches, as the double binary
+floor(sqrt((2H-1) n / CHUNK_SCALE))) chunks (at least 1) that pipeline through the switches,
+as the double binary
 tree's do. A switch keeps a slot per child (``tmp``: children x n).
 
 Costs (α per message hop, β per element through an endpoint's link, no γ at the endpoints: the
@@ -41,6 +42,7 @@ Restrictions: assumes a commutative op; one aggregation tree per call.
 from __future__ import annotations
 
 from functools import lru_cache
+from math import isqrt
 from typing import List, NamedTuple, Sequence, Tuple
 
 from ..schedule import (
@@ -62,9 +64,10 @@ from ..schedule import (
 ALGORITHM = "innet"
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "barrier", "allgather", "reduce_scatter")
 RADIX = 8                 # children per switch above the leaves (and ranks per leaf on one server)
-# Pipelining: a chunk is never shorter than MIN_CHUNK elements, and a call has at most
-# MAX_CHUNKS of them (each step pays a hop's latency, each chunk fills the pipeline less).
-MIN_CHUNK = 32768
+# Pipelining: the lock-step pipeline takes (S + 2H - 1)(α + (n/S)β), least at
+# S = sqrt((2H-1)nβ / α); CHUNK_SCALE stands for α/β in elements (a few µs of latency against
+# hundreds of GB/s), and a call has at most MAX_CHUNKS chunks.
+CHUNK_SCALE = 1 << 16
 MAX_CHUNKS = 64
 
 Placed = List[Tuple[int, Tuple[Op, ...]]]
@@ -152,9 +155,11 @@ def _runs(ranks: Sequence[int]) -> List[Tuple[int, int]]:
     return out
 
 
-def chunks(count: int) -> List[Tuple[int, int]]:
-    """(offset, length) of each chunk of a call of ``count`` elements."""
-    return chunk_bounds(count, max(1, min(MAX_CHUNKS, count // MIN_CHUNK)))
+def chunks(count: int, levels: int = 1) -> List[Tuple[int, int]]:
+    """(offset, length) of each chunk of a call of ``count`` elements through ``levels`` of
+    switches (module doc)."""
+    return chunk_bounds(count, max(1, min(MAX_CHUNKS,
+                                          isqrt((2 * levels - 1) * count // CHUNK_SCALE))))
 
 
 def build(collective: str, rank: int, size: int, count: int, root: int,
@@ -181,7 +186,7 @@ def _reduce_tree(placed: Placed, tree: SwitchTree, me: int, n: int, down_to) -> 
     children, received by ranks among them into ``out``. Returns ``tmp``'s size."""
     H, h, up = tree.levels, tree.height[me], tree.parent[me]
     kids = tree.children[me]
-    for t, (off, m) in enumerate(chunks(n)):
+    for t, (off, m) in enumerate(chunks(n, tree.levels)):
         if me < tree.size:
             if up >= 0:
                 placed.append((t, (Send(up, IN, off, m),)))
@@ -218,7 +223,7 @@ def _reduce(placed, tree, me, n, root):
 def _broadcast(placed, tree, me, n, root):
     H, h, up = tree.levels, tree.height[me], tree.parent[me]
     on_path = root in tree.ranks_under[me]
-    for t, (off, m) in enumerate(chunks(n)):
+    for t, (off, m) in enumerate(chunks(n, tree.levels)):
         if me < tree.size:
             if me == root:
                 placed.append((0, (Copy(IN, off, OUT, off, m),)))

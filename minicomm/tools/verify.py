@@ -58,13 +58,13 @@ def short_segments():
     """hier's pipeline segments, the double binary tree's and innet's chunks cut at 2 elements,
     so that the small counts verified take the pipelined paths of large calls (same code, more
     pieces)."""
-    saved = hier.PIPELINE_MIN_SEGMENT, tree.TREE_MIN_CHUNK, innet.MIN_CHUNK
+    saved = hier.PIPELINE_MIN_SEGMENT, tree.TREE_MIN_CHUNK, innet.CHUNK_SCALE
     build_schedule.cache_clear()
-    hier.PIPELINE_MIN_SEGMENT = tree.TREE_MIN_CHUNK = innet.MIN_CHUNK = 2
+    hier.PIPELINE_MIN_SEGMENT = tree.TREE_MIN_CHUNK = innet.CHUNK_SCALE = 2
     try:
         yield
     finally:
-        hier.PIPELINE_MIN_SEGMENT, tree.TREE_MIN_CHUNK, innet.MIN_CHUNK = saved
+        hier.PIPELINE_MIN_SEGMENT, tree.TREE_MIN_CHUNK, innet.CHUNK_SCALE = saved
         build_schedule.cache_clear()
 
 
