@@ -34,8 +34,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..algorithms import FAMILIES
 from ..schedule import COLLECTIVES
 from . import ps_model
-from .engine import ScheduleError, SimResult, busbw_factor, simulate
-from .presets import INTERCONNECTS, get_topology, link, topologies
+from .engine import ScheduleError, SimResult, busbw_factor, innet_runs_on, simulate
+from .presets import INTERCONNECTS, get_topology, link, sharp_settings, topologies
 from .topology import Topology
 from .units import describe_link, format_size, format_time, parse_size, parse_sizes, size_units
 
@@ -59,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 1K:1G; with --architecture ps: 1G)")
     p.add_argument("--algorithms", default=None,
                    help=f"'all' or a comma list of {', '.join(FAMILIES)} (default: all), or "
-                        f"innet (in-network reduction: a server's NVSwitch with NVLink SHARP)")
+                        f"innet (in-network reduction: a server's NVSwitch with NVLink SHARP), "
+                        f"or mesh (along an n-D full mesh's dimensions: ub-mesh)")
     p.add_argument("--root", type=int, default=None,
                    help="root rank of broadcast, reduce, gather, scatter (default: 0)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -85,7 +86,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--advise", action="store_true",
                    help="which architecture / algorithm wins for --model-bytes on --gpus, and why")
     q.add_argument("--compare-interconnects", action="store_true",
-                   help="the same collective with IB NDR, RoCEv2 and UB between the servers")
+                   help="the same collective with IB NDR, RoCEv2 and UB between the servers "
+                        "(and IB NDR with SHARP: its switches reducing, innet)")
+    q.add_argument("--innet-gain", action="store_true",
+                   help="what in-network reduction buys on this cluster: per size, the fastest "
+                        "family without it against innet (NVLS on one server, SHARP across "
+                        "servers: e.g. --topology dgx-h100-sharp), time and busbw")
     q.add_argument("--model-bytes", default=None,
                    help="--advise, --architecture ps: gradient bytes per step (e.g. 350GB, 1GiB)")
     q.add_argument("--servers", default=None,
@@ -105,6 +111,7 @@ _USES = {
     "--advise": ("--model-bytes", "--servers", "--algorithms"),
     "--explain": (),
     "--validate": (),
+    "--innet-gain": ("--sizes", "--algorithms", "--collective", "--root", "--plot"),
 }
 
 
@@ -123,6 +130,7 @@ def check_arguments(a) -> Optional[str]:
     asked = [q for q, on in (("--explain", a.explain), ("--validate", a.validate),
                              ("--advise", a.advise),
                              ("--compare-interconnects", a.compare_interconnects),
+                             ("--innet-gain", getattr(a, "innet_gain", False)),
                              ("--architecture ps", a.architecture == "ps")) if on]
     if len(asked) > 1:
         return (f"{' and '.join(asked)} are different questions: give one of them per run")
@@ -171,16 +179,22 @@ def _topology(a) -> Topology:
     return topo.replace(protocols=a.protocols) if a.protocols else topo
 
 
-def _algorithms(text: Optional[str], topo: Topology) -> List[str]:
+def _algorithms(text: Optional[str], topo: Topology, innet_where_it_runs: bool = False
+                ) -> List[str]:
+    """The families asked for; 'all' (the default) is FAMILIES, and innet too with
+    ``innet_where_it_runs`` when a switch of ``topo`` reduces (NVLS, SHARP)."""
     if text is None or text.strip() == "all":
         algos = list(FAMILIES)
+        if innet_where_it_runs and innet_runs_on(topo):
+            algos.append("innet")
     else:
         algos = [x.strip() for x in text.split(",") if x.strip()]
         for x in algos:
-            if x not in FAMILIES + ("innet",):
+            if x not in FAMILIES + ("innet", "mesh"):
                 raise ValueError(f"unknown algorithm {x!r}; choose 'all' or from "
                                  f"{', '.join(FAMILIES)}, or innet (in-network reduction, "
-                                 f"where a switch reduces)")
+                                 f"where a switch reduces), or mesh (along a full mesh's "
+                                 f"dimensions)")
     return algos
 
 
@@ -215,6 +229,8 @@ def _main(a) -> int:
         return _ps(a, topo)
     if a.compare_interconnects:
         return _compare(a, topo)
+    if getattr(a, "innet_gain", False):
+        return _innet_gain(a, topo)
     sizes = parse_sizes(a.sizes or "1K:1G")
     algos = _algorithms(a.algorithms, topo)
     timeline = None
@@ -272,9 +288,15 @@ def _validate(a) -> int:
     worst = max(found, key=lambda r: abs(r.error))
     print("\nSmall messages (time, not busbw; compared, not held to the tolerance):")
     print(validation.render_latency_markdown(validation.latency_rows()))
+    sharp = validation.sharp_rows()
+    timed = validation.sharp_latency_rows()
+    print(f"\nIn-network reduction (SHARP; held to {100 * validation.SHARP_TOLERANCE:.0f}%):")
+    print(validation.render_sharp_markdown(sharp, timed))
+    worst_sharp = max([abs(r.error) for r in sharp] + [abs(r.error) for r in timed])
     print(f"Summary: {len(found)} published figures; the model is within "
           f"{100 * abs(worst.error):.1f}% of each (worst: {worst.point.name}), geometric-mean "
-          f"error {100 * validation.geometric_mean_error(found):.1f}%.")
+          f"error {100 * validation.geometric_mean_error(found):.1f}%; "
+          f"{len(sharp) + len(timed)} SHARP figures, within {100 * worst_sharp:.1f}%.")
     return 0
 
 
@@ -547,6 +569,14 @@ def why(row: dict, price, topo: Topology, model: float) -> str:
                 f"of the call")
     least_nic = least / nics
     total = r.link_bytes_by_kind.get("nic_out", 0.0)
+    if name == "innet":
+        sent = total / (n * nics)
+        return (f"innet reduces in the switches (SHARP): each NIC sends {format_size(sent, u)} "
+                f"once and receives the result once, {sent / least_nic:.2f}x the "
+                f"2(n-1)/n·M/{nics} = {format_size(least_nic, u)} per NIC any allreduce the "
+                f"accelerators reduce themselves needs; its busiest link is "
+                f"{describe_link(r.busiest_link)}, busy {100 * r.busiest_link_utilisation:.0f}% "
+                f"of the call")
     on_nic = r.busiest_link.startswith("NIC ")
     sent = r.busiest_link_bytes if on_nic else total / (n * nics)
     who = (f"busiest NIC ({describe_link(r.busiest_link)}) sends" if on_nic
@@ -629,7 +659,7 @@ def _advise(a, topo: Topology) -> int:
     u = size_units(model)                          # sizes derived from M print in its units
     n = topo.servers
     ks = _server_counts(a.servers, n)
-    algos = _algorithms(a.algorithms, topo)
+    algos = _algorithms(a.algorithms, topo, innet_where_it_runs=True)
     prices = ps_model.price_step(topo, model, ks, algos)
     rows = _step_rows(topo, model, prices)
     price_of = {row["algorithm"]: pr for row, pr in zip(rows, prices)}
@@ -705,18 +735,41 @@ def _advise(a, topo: Topology) -> int:
     return 0
 
 
+def _interconnects(topo: Topology) -> List[Tuple[str, str, float, bool, Topology]]:
+    """(label, link preset, switch latency, SHARP on, topology) of every compared setup: each
+    of INTERCONNECTS with its switches not reducing and, where a preset's switches reduce on
+    that link (``presets.sharp_settings``; the topology's own SHARP figures first), reducing
+    (not on full-mesh servers, whose SHARP the model refuses)."""
+    out = []
+    for label, name, sw in INTERCONNECTS:
+        t = topo.replace(nic_link=link(name), switch_latency=sw, name=f"{topo.name}+{name}",
+                         sharp=False)
+        out.append((label, name, sw, False, t))
+        on = (sharp_settings(topo) if topo.sharp and topo.nic_link.name == name
+              else sharp_settings(name))
+        if on and topo.intra != "fullmesh":   # SHARP on full-mesh servers is not modelled
+            out.append((label, name, sw, True, t.replace(name=f"{t.name}+sharp", **on)))
+    return out
+
+
 def _compare(a, topo: Topology) -> int:
     sizes = parse_sizes(a.sizes or "1M,64M,1G")
     algos = _algorithms(a.algorithms, topo)
+    setups = _interconnects(topo)
+    # innet where a switch reduces (with SHARP, always), nowhere else
+    row_algos = {(label, sharp): [x for x in algos if x != "innet" or innet_runs_on(t)]
+                 + (["innet"] if sharp and "innet" not in algos else [])
+                 for label, _, _, sharp, t in setups}
+    columns = algos + sorted({x for v in row_algos.values() for x in v} - set(algos))
     rows = []
-    for label, name, sw in INTERCONNECTS:
-        t = topo.replace(nic_link=link(name), switch_latency=sw, name=f"{topo.name}+{name}")
+    for label, name, sw, sharp, t in setups:
         for s in sizes:
-            for algo in algos:
+            for algo in row_algos[(label, sharp)]:
                 r = simulate(a.collective, algo, t, nbytes=s, root=a.root, exact=a.exact,
                              channels=a.channels if algo in ("ring", "tree") else None)
                 d = r.to_dict()
                 d["interconnect"] = label
+                d["sharp"] = sharp
                 d["requested_bytes"] = s
                 rows.append(d)
     if a.json:
@@ -726,26 +779,35 @@ def _compare(a, topo: Topology) -> int:
     print(f"# {a.collective} on the same {topo.servers} servers x {topo.gpus_per_server}, with "
           f"each interconnect between them ({topo.nics_per_server} NICs per server); α = the "
           f"latency of one message on the link, paid again at every switch it crosses:")
-    for label, name, sw in INTERCONNECTS:
+    for label, name, sw, sharp, t in setups:
         ln = link(name)
+        if sharp:
+            print(f"#   {label} + SHARP: the same, its leaf and spine switches reducing (innet): "
+                  f"{t.sharp_port_bandwidth / 1e9:g} GB/s per NIC port, "
+                  f"{t.sharp_latency * 1e6:g} us per reducing switch (illustrative)")
+            continue
         print(f"#   {label}: {ln.bandwidth / 1e9:g} GB/s effective of {ln.line_rate / 1e9:g} GB/s "
               f"line rate per NIC, α {ln.latency * 1e6:g} us + {sw * 1e6:g} us per switch"
-              f"{'  (illustrative)' if ln.illustrative else ''}")
-    print(f"{'interconnect':>14} {'size':>8}" + "".join(f" {x + ' time':>13} {'busbw GB/s':>10}"
-                                                       for x in algos) + "   best")
+              f"{'  (illustrative)' if ln.illustrative else ''}"
+              + ("" if sharp_settings(name) else "; no modelled switch of it reduces"))
+    print(f"{'interconnect':>20} {'size':>8}" + "".join(f" {x + ' time':>13} {'busbw GB/s':>10}"
+                                                       for x in columns) + "   best")
     best_of: Dict[Tuple[str, int], dict] = {}
-    for label, _, _ in INTERCONNECTS:
+    labels = [label + (" + SHARP" if sharp else "") for label, _, _, sharp, _ in setups]
+    for (label, _, _, sharp, _), shown in zip(setups, labels):
         for s in sizes:
             sub = {r["algorithm"]: r for r in rows if r["interconnect"] == label
-                   and r["requested_bytes"] == s}
+                   and r["sharp"] == sharp and r["requested_bytes"] == s}
+            if not sub:
+                continue
             cells = "".join(f" {format_time(sub[x]['time_s']):>13} {sub[x]['busbw']:10.2f}"
-                            if x in sub else f" {'-':>13} {'-':>10}" for x in algos)
-            best = best_of[(label, s)] = min(sub.values(), key=lambda r: r["time_s"])
-            print(f"{label:>14} {format_size(s):>8}{cells}   {best['algorithm']} "
+                            if x in sub else f" {'-':>13} {'-':>10}" for x in columns)
+            best = best_of[(shown, s)] = min(sub.values(), key=lambda r: r["time_s"])
+            print(f"{shown:>20} {format_size(s):>8}{cells}   {best['algorithm']} "
                   f"{best['busbw']:.1f} GB/s busbw")
     parts = []
     for s in sizes:
-        by = sorted(((best_of[(label, s)], label) for label, _, _ in INTERCONNECTS),
+        by = sorted(((best_of[(shown, s)], shown) for shown in labels if (shown, s) in best_of),
                     key=lambda x: x[0]["time_s"])
         (fast, fl), (slow, sl) = by[0], by[-1]
         parts.append(f"at {format_size(s)} {fl} is the fastest ({fast['algorithm']}, "
@@ -755,3 +817,117 @@ def _compare(a, topo: Topology) -> int:
           f"accelerators ({topo.nics_per_server} NICs per server) with each interconnect: "
           + "; ".join(parts) + ".")
     return 0
+
+
+# ------------------------------------------------------------------------------ in-network gain
+def innet_gain(topo: Topology, collective: str, sizes: Sequence[int], algos: Sequence[str],
+               root: int = 0) -> List[dict]:
+    """Per size: the fastest of ``algos`` (the accelerators reduce) and innet (the switches
+    do), their times and busbw, and the gain (the fastest's time / innet's)."""
+    if not innet_runs_on(topo):
+        raise ValueError(f"{topo.name}: no switch reduces on {_n(topo.servers, 'server')}: "
+                         f"innet needs NVLink SHARP on one server (dgx-h100 --nodes 1) or "
+                         f"network.sharp = true across servers (dgx-h100-sharp, dgx-a100-sharp, "
+                         f"or a topology file)")
+    out = []
+    for s in sizes:
+        best = min((simulate(collective, x, topo, nbytes=s, root=root) for x in algos
+                    if x != "innet"), key=lambda r: r.time_s)
+        r = simulate(collective, "innet", topo, nbytes=s, root=root)
+        out.append({"topology": topo.name, "collective": collective, "bytes": r.bytes,
+                    "requested_bytes": s, "ranks": r.ranks, "best": best.algorithm,
+                    "best_time_s": best.time_s, "best_busbw": best.busbw,
+                    "innet_time_s": r.time_s, "innet_busbw": r.busbw,
+                    "gain": best.time_s / r.time_s if r.time_s > 0 else math.inf})
+    return out
+
+
+def _innet_gain(a, topo: Topology) -> int:
+    sizes = parse_sizes(a.sizes or "8:1G")
+    algos = [x for x in _algorithms(a.algorithms, topo) if x != "innet"] or list(FAMILIES)
+    rows = innet_gain(topo, a.collective, sizes, algos, a.root)
+    if a.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        where = ("its NVSwitch reduces: NVLink SHARP" if topo.servers == 1
+                 else "the network's switches reduce: SHARP" + (", and each NVSwitch: NVLS"
+                                                                if topo.nvls_bandwidth else ""))
+        print(f"# {topo.describe()}")
+        print(f"# {a.collective} on {rows[0]['ranks']} ranks: the fastest of {', '.join(algos)} "
+              f"(the accelerators reduce) against innet ({where}); gain = its time / innet's; "
+              f"busbw in GB/s")
+        print(f"{'size':>8} {'without':>8} {'time':>11} {'busbw':>8} {'innet time':>11} "
+              f"{'busbw':>8} {'gain':>7}")
+        for r in rows:
+            print(f"{format_size(r['bytes']):>8} {r['best']:>8} {format_time(r['best_time_s']):>11} "
+                  f"{r['best_busbw']:8.1f} {format_time(r['innet_time_s']):>11} "
+                  f"{r['innet_busbw']:8.1f} {r['gain']:6.2f}x")
+    if a.plot:
+        plot_innet_gain([(topo.name, rows)], a.plot)
+        if not a.json:
+            print(f"wrote {a.plot}")
+    if not a.json:
+        print(innet_gain_summary(topo, a.collective, rows))
+    return 0
+
+
+def innet_gain_summary(topo: Topology, collective: str, rows: Sequence[dict]) -> str:
+    """One line: innet against the fastest family at the smallest and the largest size, and
+    the size ranges where innet wins."""
+    def at(r: dict) -> str:
+        return (f"at {format_size(r['bytes'])} innet takes {format_time(r['innet_time_s'])} "
+                f"against {r['best']}'s {format_time(r['best_time_s'])} ({r['gain']:.2f}x")
+    lo, hi = rows[0], rows[-1]
+    text = f"Summary: in-network reduction on {_cluster(topo)}, {collective}: {at(lo)})"
+    if hi is not lo:
+        text += (f", {at(hi)}, busbw {hi['innet_busbw']:.1f} against {hi['best_busbw']:.1f} "
+                 f"GB/s)")
+    spans: List[List[int]] = []
+    for i, r in enumerate(rows):
+        if r["gain"] > 1:
+            if spans and spans[-1][1] == i - 1:
+                spans[-1][1] = i
+            else:
+                spans.append([i, i])
+    where = ", ".join(format_size(rows[a]["bytes"]) + (f"-{format_size(rows[b]['bytes'])}"
+                                                         if b > a else "") for a, b in spans)
+    return text + f"; innet wins {'at ' + where if spans else 'at no size'}."
+
+
+def plot_innet_gain(series: Sequence[Tuple[str, Sequence[dict]]], path: str) -> None:
+    """busbw with and without in-network reduction against size, one panel per topology, and
+    the time gain below."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        raise ValueError("--plot needs matplotlib (pip install 'minicomm[plot]')") from None
+    fig, axes = plt.subplots(2, len(series), figsize=(6 * len(series), 6.5), squeeze=False,
+                             sharex="col", gridspec_kw={"height_ratios": [3, 2]})
+    for col, (title, rows) in enumerate(series):
+        x = [r["bytes"] for r in rows]
+        top, bottom = axes[0][col], axes[1][col]
+        top.plot(x, [r["best_busbw"] for r in rows], marker="o", ms=3,
+                 label="fastest without (ring/tree/rhd/hier)")
+        top.plot(x, [r["innet_busbw"] for r in rows], marker="o", ms=3, label="innet")
+        top.set_ylabel("busbw (GB/s)")
+        top.set_title(title)
+        top.legend()
+        bottom.plot(x, [r["gain"] for r in rows], marker="o", ms=3, color="C2")
+        bottom.axhline(1.0, color="grey", lw=0.8)
+        bottom.set_yscale("log")
+        bottom.set_yticks([0.125, 0.25, 0.5, 1, 2, 4, 8])
+        bottom.set_ylim(min(0.8, min(r["gain"] for r in rows) / 1.3),
+                        max(1.25, max(r["gain"] for r in rows) * 1.3))
+        bottom.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%gx"))
+        bottom.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        bottom.set_ylabel("gain: time without / with innet")
+        bottom.set_xlabel("size (bytes, nccl-tests)")
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -43,11 +43,17 @@ A program of ``LARGE_PROGRAM_MESSAGES`` messages or more (8 channels of a ring o
 merges instants within ``LARGE_PROGRAM_RESOLUTION`` (1 us) instead of 1 ns: a few percent early
 (docs/decisions/simulator-speed.md); ``exact=True`` keeps 1 ns.
 
+innet (in-network reduction): the schedules' switch participants are placed on switch
+endpoints (topology.py): a server's NVSwitch (NVLS), and with ``Topology.sharp`` a tree of the
+fabric's shape (``fabric_levels``) whose messages between switches run one lane per NIC
+(``Program.msg_lane``); the switches' own reductions cost nothing (their ports bound them).
+
 Restrictions: see topology.py (no packet-level effects, ideal ECMP). The time of local ops is
 serial per step; several reducing receives of one step reduce in parallel.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import OrderedDict
@@ -56,8 +62,18 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..algorithms import CHANNELLED_FAMILIES, family, innet, ring
-from ..schedule import COLLECTIVES, Copy, Recv, Reduce, Schedule, Send, busbw_factor, chunk_bounds
+from ..algorithms import CHANNELLED_FAMILIES, family, innet, meshdims, ring
+from ..schedule import (
+    COLLECTIVES,
+    Copy,
+    Recv,
+    Reduce,
+    Schedule,
+    Send,
+    busbw_factor,
+    chunk_bounds,
+    servers,
+)
 from . import protocols
 from .host import HostDeadlock, HostLink, HostModel, HostRun  # noqa: F401 (re-exported)
 from .timeline import modelled_steps
@@ -121,6 +137,10 @@ class Program:
     calls: int = 1                # calls back to back (``repeat_program``): rank r's steps are
                                   # ``calls`` equal runs, each one call
     build_s: float = 0.0
+    msg_lane: Optional[np.ndarray] = None    # (M,) the NIC a message between SHARP switches
+                                             # takes (``Fabric.routes_gaps``); None: lane 0
+    msg_delay: Optional[np.ndarray] = None   # (M,) s a message starts after its route's
+                                             # latency (several SHARP operations); None: 0
 
     @property
     def steps(self) -> int:
@@ -695,16 +715,23 @@ class _EventLoop:
         self.nl = nl = len(fab)
         self.cap = np.concatenate((fab.capacity, [math.inf]))
         E = fab.endpoint_ids
-        pairs, msg_pair = np.unique(placement[prog.msg_src] * E + placement[prog.msg_dst],
-                                    return_inverse=True)
-        pair_links, self.pair_lat, self.pair_gap = fab.routes_gaps(pairs // E, pairs % E)
-        self.src_of = placement[prog.msg_src]
+        key = placement[prog.msg_src] * E + placement[prog.msg_dst]
+        lanes = prog.msg_lane
+        L = int(lanes.max()) + 1 if lanes is not None and lanes.size else 1
+        if L > 1:      # a route per (pair, lane); each lane issues its own messages
+            key = key * L + lanes
+        pairs, msg_pair = np.unique(key, return_inverse=True)
+        pair_links, self.pair_lat, self.pair_gap = fab.routes_gaps(
+            pairs // L // E, pairs // L % E, pairs % L)
+        self.src_of = placement[prog.msg_src] * L + (lanes if L > 1 else 0)
         self.gapped = bool(self.pair_gap.any())
         self.width = width = (max(1, int((pair_links >= 0).sum(axis=1).max()))
                               if len(pairs) else 1)
         self.pair_links = np.where(pair_links[:, :width] >= 0, pair_links[:, :width], nl)
         self.msg_pair = msg_pair.reshape(-1)
         self.msg_lat = self.pair_lat[self.msg_pair]
+        if prog.msg_delay is not None:
+            self.msg_lat = self.msg_lat + prog.msg_delay
         self.launch = 0.0
         if topo.protocols == "nccl" and M and algorithm != "innet":
             self._price_protocols(topo, placement, algorithm)
@@ -968,7 +995,8 @@ def simulate(collective: str, algorithm: str, topo: Topology, nbytes: Optional[i
     per-rank block ``count``; ``ranks`` defaults to every accelerator of the topology (or the
     length of ``placement``). ``hier`` gets the node map of the placement, and so does a
     channelled ring and tree: ``channels`` (default ``default_channels``: one ring per NIC, as
-    NCCL's; one tree). ``timeline``: the
+    NCCL's; one tree). ``mesh`` (algorithms/meshdims.py, not a runtime family) runs along the
+    topology's full-mesh dimensions (``Topology.mesh_shape``). ``timeline``: the
     call's modelled steps go to ``timeline.add`` (``minicomm.trace.SimulatedTrace``: the
     simulator hands it ``timeline.modelled_steps`` and imports nothing of it)."""
     t0 = time.perf_counter()
@@ -989,6 +1017,9 @@ def simulate(collective: str, algorithm: str, topo: Topology, nbytes: Optional[i
     if algorithm == "innet":
         return _simulate_innet(collective, topo, pl, node_map, int(count), root, itemsize,
                                timeline, t0)
+    if algorithm == "mesh":
+        return _simulate_mesh(collective, topo, pl, node_map, int(count), root, itemsize,
+                              timeline, t0)
     if channels is None:
         channels = default_channels(algorithm, topo)
     prog = program_for(collective, algorithm, p, int(count), root, node_map, exact, channels)
@@ -1007,31 +1038,180 @@ def simulate(collective: str, algorithm: str, topo: Topology, nbytes: Optional[i
     return res
 
 
+def innet_runs_on(topo: Topology, n_servers: Optional[int] = None) -> bool:
+    """Whether a switch reduces for ``innet`` on ``n_servers`` of ``topo``'s servers (default
+    all): the NVSwitch (NVLS) on one server, the network's switches (SHARP) across servers."""
+    n = topo.servers if n_servers is None else n_servers
+    return bool(topo.sharp) if n > 1 else bool(topo.nvls_bandwidth)
+
+
 def _simulate_innet(collective: str, topo: Topology, pl: np.ndarray, node_map: Tuple[int, ...],
                     count: int, root: int, itemsize: int, timeline, t0: float) -> SimResult:
-    """innet on NVLink SHARP: the schedules' switches are the server's NVSwitch (topology.py);
-    one server only, since no modelled network switch reduces yet."""
-    if not topo.nvls_bandwidth:
-        raise ValueError(f"{topo.name}: no switch reduces, so innet cannot run here (set "
-                         f"intra.nvls_GBps, NVLink SHARP, in a topology file)")
-    if len(set(node_map)) > 1:
-        raise ValueError("innet across servers needs network switches that reduce (SHARP), "
-                         "which the simulator does not model yet: place the ranks on one server")
+    """innet where switches reduce: on one server its NVSwitch (NVLink SHARP) is every switch
+    participant; across servers the aggregation tree has the fabric's shape (``_sharp_program``:
+    SHARP's leaf and spine switches, topology.py)."""
     p = len(pl)
-    scheds = innet.build_all(collective, p, count, root, node_map)
-    P = len(scheds)
-    prog = _assemble([_rank_arrays(s.steps, P, r) for r, s in enumerate(scheds)], P)
-    switch_steps = slice(int(prog.rank_first[p]), int(prog.rank_first[P]))
-    for f in (prog.step_copy, prog.step_reduce, prog.step_staged):
-        f[switch_steps] = 0       # the switch reduces at its ports' rate, not an accelerator's γ
-    server = node_map[0] if node_map else 0
-    placement = np.concatenate((pl, np.full(P - p, topo.endpoints + server, dtype=np.int64)))
     fab = Fabric(topo)
+    if len(set(node_map)) > 1:
+        if not topo.sharp:
+            raise ValueError(f"{topo.name}: innet across servers needs network switches that "
+                             f"reduce (SHARP): set network.sharp = true in a topology file, or "
+                             f"place the ranks on one server")
+        prog, placement = _sharp_program(collective, topo, fab, pl, node_map, count, root,
+                                         itemsize)
+    else:
+        if not topo.nvls_bandwidth:
+            raise ValueError(f"{topo.name}: no switch reduces, so innet cannot run here (set "
+                             f"intra.nvls_GBps, NVLink SHARP, in a topology file)")
+        scheds = innet.build_all(collective, p, count, root, node_map)
+        prog = _switch_program(scheds, p)
+        server = node_map[0] if node_map else 0
+        placement = np.concatenate((pl, np.full(prog.size - p, topo.endpoints + server,
+                                                dtype=np.int64)))
     stats = run_program(prog, topo, placement, itemsize, fab, algorithm="innet")
     res = _result(collective, "innet", topo, fab, p, count, itemsize, prog, stats,
                   time.perf_counter() - t0)
     if timeline is not None:
         timeline.add(collective, "innet", count, itemsize, stats.time_s,
+                     modelled_steps(prog, stats, itemsize))
+    return res
+
+
+def _switch_program(scheds: Sequence[Schedule], p: int) -> Program:
+    """The program of innet's participants (ranks, then switches), the switches' local ops
+    free: a switch reduces at its ports' rate, not an accelerator's γ."""
+    P = len(scheds)
+    prog = _assemble([_rank_arrays(s.steps, P, r) for r, s in enumerate(scheds)], P)
+    switch_steps = slice(int(prog.rank_first[p]), int(prog.rank_first[P]))
+    for f in (prog.step_copy, prog.step_reduce, prog.step_staged):
+        f[switch_steps] = 0
+    return prog
+
+
+def _runs_of(values: Sequence[int]) -> Tuple[Tuple[int, ...], List[int]]:
+    """(lengths, value) of each run of equal consecutive values."""
+    lengths: List[int] = []
+    firsts: List[int] = []
+    for v in values:
+        if firsts and firsts[-1] == v:
+            lengths[-1] += 1
+        else:
+            lengths.append(1)
+            firsts.append(v)
+    return tuple(lengths), firsts
+
+
+def fabric_levels(topo: Topology, node_map: Tuple[int, ...]) -> Tuple[Tuple[int, ...], ...]:
+    """innet's ``levels`` (``innet.switch_tree``) that make its tree the fabric's: the servers'
+    switches grouped by leaf group, those by pod (tiers 3), all under the top switch."""
+    order = [node_map[ranks[0]] for ranks in servers(node_map)]
+    sizes, leaf_groups = _runs_of([s // topo.leaf_servers for s in order])
+    levels = [sizes]
+    if topo.tiers >= 3:
+        sizes, pods = _runs_of([grp // topo.pod_groups for grp in leaf_groups])
+        levels += [sizes, (len(pods),)]
+    elif topo.tiers == 2:
+        levels.append((len(leaf_groups),))
+    return tuple(levels)
+
+
+def _sharp_program(collective: str, topo: Topology, fab: Fabric, pl: np.ndarray,
+                   node_map: Tuple[int, ...], count: int, root: int, itemsize: int
+                   ) -> Tuple[Program, np.ndarray]:
+    """innet across servers on SHARP: the fabric-shaped tree's program and placement. Every
+    message between switches is cut into one per NIC of a server (lane k: NIC k, and its
+    rail's leaf), and one a server sends into the network of more than ``sharp_max_bytes``
+    (per lane) is ceil(bytes / sharp_max_bytes) SHARP operations, paced by the slower of the
+    NIC issuing them (its issue gap apart) and the reducing switch taking them (one per
+    ``sharp_latency``): the message starts (operations - 1) paces late (``Program.msg_delay``)."""
+    p = len(pl)
+    levels = fabric_levels(topo, node_map)
+    tree = innet.switch_tree(p, node_map, innet.RADIX, levels)
+    prog = _switch_program(innet.build_all(collective, p, count, root, node_map,
+                                           levels=levels), p)
+    switch_ids = []
+    for j in range(p, tree.participants):
+        server = node_map[tree.ranks_under[j][0]]
+        group = server // topo.leaf_servers
+        switch_ids.append({1: topo.endpoints + server, 2: fab.leaf_switch0 + group,
+                           3: fab.spine_switch0 + group // topo.pod_groups}.get(
+                               tree.height[j], fab.core_switch))
+    placement = np.concatenate((pl, np.asarray(switch_ids, dtype=np.int64)))
+    between = (prog.msg_src >= p) & (prog.msg_dst >= p)
+    prog = _split_lanes(prog, between, topo.nics_per_server)
+    if topo.sharp_max_bytes:
+        into = (np.asarray(tree.height)[prog.msg_src] == 1) & (prog.msg_dst >= p)
+        ops = np.ceil(prog.msg_count * itemsize / topo.sharp_max_bytes)
+        pace = max(topo.nic_link.gap, topo.sharp_latency)
+        prog.msg_delay = np.where(into, np.maximum(ops - 1, 0) * pace, 0.0)
+    return prog, placement
+
+
+def _split_lanes(prog: Program, split: np.ndarray, lanes: int) -> Program:
+    """``prog`` with every message of ``split`` cut into ``lanes`` equal messages, lane k
+    (``Program.msg_lane``) k; each keeps its steps, and the receive order keeps the lanes of a
+    message together."""
+    reps = np.where(split, lanes, 1)
+    if lanes == 1 or not split.any():
+        prog.msg_lane = np.zeros(prog.messages, dtype=np.int64)
+        return prog
+    start = np.concatenate(([0], np.cumsum(reps)[:-1]))
+    lane = np.arange(int(reps.sum())) - np.repeat(start, reps)
+    rep = lambda a: np.repeat(a, reps)  # noqa: E731
+    S = prog.steps
+
+    def ptr(steps: np.ndarray) -> np.ndarray:
+        out = np.zeros(S + 1, dtype=np.int64)
+        np.cumsum(np.bincount(steps, minlength=S), out=out[1:])
+        return out
+    send_step, recv_step = rep(prog.msg_send_step), rep(prog.msg_recv_step)
+    return dataclasses.replace(
+        prog, msg_src=rep(prog.msg_src), msg_dst=rep(prog.msg_dst),
+        msg_count=rep(prog.msg_count) / rep(reps), msg_reduce=rep(prog.msg_reduce),
+        msg_send_step=send_step, msg_recv_step=recv_step, send_ptr=ptr(send_step),
+        recv_order=_ranges(start[prog.recv_order], reps[prog.recv_order]),
+        recv_ptr=ptr(recv_step), msg_lane=lane.astype(np.int64))
+
+
+def mesh_orders(topo: Topology) -> Tuple[Tuple[int, ...], ...]:
+    """The mesh schedules' dimension order per part on ``topo``: the dimensions by an
+    accelerator's bandwidth in them, fastest first (a reduce-scatter's largest step on the
+    fastest links), and those of equal bandwidth rotated among themselves, one part per
+    rotation, so that they carry data at once (meshdims.py: equal dimensions, k parts)."""
+    dims = topo.mesh_shape
+    bw = [per * (d - 1) for per, d in zip(topo.mesh_port_bandwidth(), dims)]
+    groups: List[List[int]] = []
+    for dim in sorted(range(len(dims)), key=lambda i: -bw[i]):
+        if groups and math.isclose(bw[groups[-1][0]], bw[dim], rel_tol=1e-9):
+            groups[-1].append(dim)
+        else:
+            groups.append([dim])
+    parts = max(len(grp) for grp in groups)
+    return tuple(tuple(grp[(c + s) % len(grp)] for grp in groups for s in range(len(grp)))
+                 for c in range(parts))
+
+
+def _simulate_mesh(collective: str, topo: Topology, pl: np.ndarray, node_map: Tuple[int, ...],
+                   count: int, root: int, itemsize: int, timeline, t0: float) -> SimResult:
+    """mesh (algorithms/meshdims.py) along ``topo.mesh_shape``: built here, every rank, since it
+    is not a family ``program_for`` knows (its dimensions come from the topology)."""
+    p, dims, orders = len(pl), topo.mesh_shape, mesh_orders(topo)
+    key = (collective, "mesh", p, count, root, node_map, dims, orders)
+    prog = _programs.get(key)
+    if prog is None:
+        build0 = time.perf_counter()
+        scheds = meshdims.build_all(collective, p, count, root, node_map, dims, orders=orders)
+        prog = _assemble([_rank_arrays(s.steps, p, r) for r, s in enumerate(scheds)], p)
+        prog.build_s = time.perf_counter() - build0
+        _programs[key] = prog
+        while len(_programs) > PROGRAM_CACHE_SIZE:
+            _programs.popitem(last=False)
+    fab = Fabric(topo)
+    stats = run_program(prog, topo, pl, itemsize, fab, algorithm="mesh")
+    res = _result(collective, "mesh", topo, fab, p, count, itemsize, prog, stats,
+                  time.perf_counter() - t0)
+    if timeline is not None:
+        timeline.add(collective, "mesh", count, itemsize, stats.time_s,
                      modelled_steps(prog, stats, itemsize))
     return res
 

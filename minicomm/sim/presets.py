@@ -19,7 +19,10 @@ measurement.
                                      (https://github.com/NVIDIA/nccl/issues/2409); efficiency and
                                      latency assumed for a tuned lossless fabric
   ub-400         48    50     1.5   (I) Unified Bus port (UB-Mesh, arXiv 2503.20377): all assumed
-  ub-mesh-intra  336   350    1.0   (I) UB full mesh, 7 x 50 GB/s per NPU: assumed
+  ub-mesh-intra  376   392    1.0   (I) one NPU's x56 UB lanes in its rack's 8 x 8 full mesh (x4
+                                     per link; UB-Mesh's x72 per NPU less x16 out of the rack)
+  ub-x128        860   896    1.5   (I) a board's x128 UB port to the Clos (x16 per NPU)
+                                     UB lanes: (I) 7 GB/s each, so x72 = one H100's 450 + 50 GB/s
 
 Issue gap g (LogP): 0.1 us NVLink, 0.2 PCIe / UB, 0.5 IB / RoCE between two messages one sender
 starts at once, (I) everywhere: it matters for patterns that issue many messages per step (a PS
@@ -35,7 +38,15 @@ Topologies (``--nodes`` changes the server count of any of them):
   pcie-8gpu      8 GPUs on PCIe 5.0 x16 under one CPU root (360 GB/s root, (I)), 1 x NDR per server
   roce-fat-tree  8 x H100 NVLink4 servers, 8 x RoCEv2 400G per server on its ToR, 3 tiers,
                  4 servers per ToR, 8 ToRs per pod, 2:1 to the core (I)
-  ub-mesh        8 NPUs on a UB full mesh, 1 x UB 400G port per NPU (rails), 2 tiers (I)
+  ub-mesh        UB-Mesh racks: 64 NPUs as an 8 x 8 2D full mesh (``mesh_dims``), one UB x128
+                 port per board of 8 to a rail-optimised Clos, 2 racks = 128 NPUs (I);
+                 arXiv 2503.20377 (docs/decisions/ub-mesh-shape.md)
+  dgx-a100-sharp dgx-a100 whose switches reduce (SHARP): 20 GB/s per port (NCCL's rule,
+                 nccl#320), 1 GiB - 32 B per operation (SHARP docs), 0.6 us per reducing
+                 switch (I: fitted to Graham et al. 2016's 8-byte point)
+  dgx-h100-sharp dgx-h100 (NVLS) whose switches reduce: 40 GB/s per port (I: the HDR rule
+                 scaled by NDR's line rate), the rest as dgx-a100-sharp
+                 (docs/decisions/sharp-model.md)
 
 Checked against public nccl-tests figures in tests/test_sim.py (the simulated ring busbw of one
 server, and of one NIC between two servers, must be the cited effective rates within 5%).
@@ -45,7 +56,7 @@ from __future__ import annotations
 import json
 import os
 from functools import lru_cache
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from .topology import LinkSpec, Topology, link_from_dict, read_topology_file, topology_from_dict
 
@@ -82,6 +93,19 @@ def link(name: str) -> LinkSpec:
     if name not in ls:
         raise ValueError(f"unknown link preset {name!r}; known: {', '.join(sorted(ls))}")
     return ls[name]
+
+
+def sharp_settings(of: Union[str, Topology]) -> Optional[Dict[str, Any]]:
+    """The SHARP figures (Topology fields) of a topology with network.sharp on, or of the
+    switches that go with a link preset (those of a preset topology with SHARP on over that
+    link; ``--compare-interconnects``); None where no switch reduces."""
+    found = [of] if isinstance(of, Topology) else [t for t in _load()[1].values()
+                                                   if t.nic_link.name == of]
+    for t in found:
+        if t.sharp:
+            return {"sharp": True, "sharp_port_bandwidth": t.sharp_port_bandwidth,
+                    "sharp_max_bytes": t.sharp_max_bytes, "sharp_latency": t.sharp_latency}
+    return None
 
 
 def get_topology(spec: str, nodes: Optional[int] = None) -> Topology:

@@ -14,11 +14,43 @@ What is modelled
     "fullmesh": a direct link between every ordered pair of the server's accelerators, each with
       ``intra_link.bandwidth / (g - 1)`` (the accelerator's bandwidth is split over its g-1 ports:
       UB-Mesh-style). Only direct paths are used (no multi-path routing).
+    "fullmesh" with ``mesh_dims`` (d_0, ..., d_{k-1}), product g: an n-D full mesh, the
+      hierarchically localised shape of UB-Mesh (Liao et al., arXiv 2503.20377) inside a mesh
+      unit (a "server": a rack, a pod). Local index l has coordinates c_i = (l // s_i) % d_i,
+      s_0 = 1, s_i = d_0 ... d_{i-1} (dimension 0 varies fastest: the NPUs of a board). Two
+      accelerators are joined by a direct link, one per direction, when they differ in exactly
+      one coordinate, so an accelerator has d_i - 1 neighbours in dimension i. Its bandwidth
+      in dimension i, ``mesh_dim_bandwidth[i]`` (default: ``intra_link.bandwidth`` shared over
+      all its sum(d_i - 1) ports, the same lanes per port in every dimension, as the paper's
+      rack does), is split evenly over those d_i - 1 ports. A message between accelerators that
+      differ in several coordinates is routed dimension-order (dimension 0 first) over the
+      intermediate accelerators' links (the paper's NPUs route; its All-Path Routing, which also
+      spreads such a message over the other paths, is not modelled), and pays ``switch_latency``
+      per intermediate accelerator. mesh_dims = (g,) is the plain "fullmesh". Traffic to the NIC
+      leaves the accelerator directly (no mesh link), as on the other kinds; the Clos above the
+      mesh unit is the NIC / leaf / spine model below.
   ``intra_link.bandwidth`` is always one accelerator's total per direction.
 - in-network reduction: ``nvls_bandwidth`` > 0 (nvswitch only): the NVSwitch reduces and
     multicasts (NVLink SHARP) for the ``innet`` family, whose switch participants are the
     server's NVSwitch (endpoint ids ``endpoints + server``); a message between an accelerator
     and it crosses the accelerator's NVSwitch link and its NVLS port, of that bandwidth.
+- in-network reduction across servers: ``sharp`` (NVIDIA SHARP through NCCL's CollNet): the leaf,
+    spine and core switches reduce and multicast too. The ``innet`` tree then has the fabric's
+    shape (the simulator's engine builds it so): a switch participant per server, then one per
+    leaf group (endpoint ids from ``Fabric.leaf_switch0``), per pod's spine (``spine_switch0``;
+    tiers 2: the one spine) and the core (``core_switch``). An accelerator reaches its server's
+    switch over NVLS (above), or, without NVLS, over its own link out and in (the GPUs reduce
+    inside the server as NCCL's CollNet chain does: each moves the vector out and in, in both
+    the reduce and the broadcast phase); alone on its server it reaches its NIC directly. A
+    message between switches runs on one lane per NIC (the engine cuts it into
+    ``nics_per_server`` equal parts): lane k leaves the server on NIC k, crosses ``sharp_up``
+    (a switch port's reduction rate ``sharp_port_bandwidth``; 0: only the NIC bounds it) and,
+    rails or not, the leaf trunk NIC k's traffic crosses; then the pod trunk. Latency: the NIC's
+    plus a switch's between a server and its leaf, a switch's between switches, and
+    ``sharp_latency`` more on every hop into a reducing switch; a switch multicasts down with no
+    issue gap. ``sharp_max_bytes``: the payload of one SHARP operation; a larger message into
+    the network is several, paced by the slower of the NIC's gap and ``sharp_latency``
+    (engine.py, ``_sharp_program``). Not with "fullmesh" servers (no per-accelerator links).
 - NICs: ``nics_per_server`` NICs; accelerator i uses NIC ``i * nics_per_server // g`` (so
   nics_per_server == g is one NIC per accelerator, 1 is one NIC per server, shared). ``rails``:
   rail-optimised wiring (NIC k of every server in a leaf group goes to leaf switch k of that group;
@@ -107,6 +139,10 @@ class Topology:
     switch_latency: float = 0.0
     pcie_root_bandwidth: Optional[float] = None
     nvls_bandwidth: float = 0.0        # NVLink SHARP per accelerator port, bytes/s (0: none)
+    sharp: bool = False                # the network's switches reduce and multicast (SHARP)
+    sharp_port_bandwidth: float = 0.0  # reduction rate of a switch port (one NIC's), bytes/s
+    sharp_max_bytes: int = 0           # payload of one SHARP operation (0: no limit)
+    sharp_latency: float = 0.0         # s a reducing switch adds to a hop into it
     gamma: float = 0.0
     delta: float = 0.0
     reduce_overlap: bool = False
@@ -114,6 +150,8 @@ class Topology:
     protocols: str = ""                # "nccl": NCCL's LL / LL128 / Simple (protocols.py)
     description: str = ""
     sources: Tuple[str, ...] = field(default=(), compare=False)
+    mesh_dims: Tuple[int, ...] = ()    # fullmesh: the n-D full mesh's dimensions (): (g,)
+    mesh_dim_bandwidth: Tuple[float, ...] = ()   # per accelerator and dimension, bytes/s
 
     def __post_init__(self):
         def positive_int(name):
@@ -138,10 +176,12 @@ class Topology:
             if not (v >= 1.0 and math.isfinite(v)):
                 raise ValueError(f"topology {self.name!r}: {f} must be >= 1 (downlink:uplink), "
                                  f"got {v!r}")
-        for f in ("switch_latency", "gamma", "delta", "nvls_bandwidth"):
+        for f in ("switch_latency", "gamma", "delta", "nvls_bandwidth", "sharp_port_bandwidth",
+                  "sharp_latency"):
             v = getattr(self, f)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"topology {self.name!r}: {f} must be >= 0")
+        _check_sharp(self)
         if self.nvls_bandwidth and self.intra != "nvswitch":
             raise ValueError(f"topology {self.name!r}: nvls_GBps needs intra kind 'nvswitch' "
                              f"(NVLink SHARP is the NVSwitch's)")
@@ -150,11 +190,27 @@ class Topology:
                              f"latency per link class), got {self.protocols!r}")
         if self.pcie_root_bandwidth is not None and not self.pcie_root_bandwidth > 0:
             raise ValueError(f"topology {self.name!r}: pcie_root_bandwidth must be > 0 or None")
+        if self.mesh_dims or self.mesh_dim_bandwidth:
+            _check_mesh(self)
 
     # ------------------------------------------------------------------ derived shape
     @property
     def endpoints(self) -> int:
         return self.servers * self.gpus_per_server
+
+    @property
+    def mesh_shape(self) -> Tuple[int, ...]:
+        """The full-mesh dimensions of a server ("mesh unit"): ``mesh_dims``, else (g,), one
+        dimension, which is also how the mesh algorithm treats a server of another kind."""
+        return tuple(self.mesh_dims) or (self.gpus_per_server,)
+
+    def mesh_port_bandwidth(self) -> Tuple[float, ...]:
+        """Bytes/s of one direct link in each dimension (module doc: an accelerator's bandwidth
+        in a dimension split evenly over its d_i - 1 ports)."""
+        dims = self.mesh_shape
+        if self.mesh_dim_bandwidth:
+            return tuple(bw / max(1, d - 1) for bw, d in zip(self.mesh_dim_bandwidth, dims))
+        return (self.intra_link.bandwidth / max(1, sum(d - 1 for d in dims)),) * len(dims)
 
     @property
     def channels(self) -> int:
@@ -194,14 +250,58 @@ class Topology:
         g = self.gpus_per_server
         nic = (f"{self.nics_per_server} x {self.nic_link.name} per server"
                f"{' (rail-optimised)' if self.rails and self.nics_per_server > 1 else ''}")
-        net = "one switch" if self.tiers == 1 else (
+        net = ("one switch" if self.tiers == 1 else (
             f"{self.tiers}-tier fat-tree, {self.leaf_servers} servers per leaf"
             + (f", {self.pod_groups} leaf groups per pod" if self.tiers == 3 else "")
             + f", oversubscription {self.oversubscription:g}:1"
             + (f" (core {self.core_oversubscription:g}:1)" if self.tiers == 3 else ""))
+            + ("; the switches reduce (SHARP)" if self.sharp else ""))
+        intra = (f"{'x'.join(map(str, self.mesh_dims))} {self.intra}" if self.mesh_dims
+                 else self.intra)
         return (f"{self.name}: {self.servers} servers x {g} accelerators ({self.endpoints}); intra "
-                f"{self.intra} {self.intra_link.name} {self.intra_link.bandwidth / GB:g} GB/s; "
+                f"{intra} {self.intra_link.name} {self.intra_link.bandwidth / GB:g} GB/s; "
                 f"{nic} {self.nic_link.bandwidth / GB:g} GB/s each; {net}")
+
+
+MAX_MESH_DIMS = 8        # a dimension-order route inside a mesh unit must fit Fabric.MAX_HOPS
+
+
+def _check_mesh(t: Topology) -> None:
+    """``Topology.mesh_dims`` / ``mesh_dim_bandwidth``: a ValueError that says what is wrong."""
+    dims, where = t.mesh_dims, f"topology {t.name!r}: mesh_dims"
+    if t.intra != "fullmesh":
+        raise ValueError(f"{where} needs intra kind 'fullmesh', not {t.intra!r}")
+    if not isinstance(dims, tuple) or not 1 <= len(dims) <= MAX_MESH_DIMS:
+        raise ValueError(f"{where} must be a list of 1 to {MAX_MESH_DIMS} dimension sizes, "
+                         f"got {dims!r}")
+    for d in dims:
+        if not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d < 2:
+            raise ValueError(f"{where} {list(dims)}: every dimension is an integer >= 2 (a full "
+                             f"mesh of one accelerator has no links), got {d!r}")
+    if math.prod(dims) != t.gpus_per_server:
+        raise ValueError(f"{where} {list(dims)} hold {math.prod(dims)} accelerators, but a "
+                         f"server (mesh unit) has gpus_per_server = {t.gpus_per_server}")
+    bws = t.mesh_dim_bandwidth
+    if bws and (len(bws) != len(dims)
+                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0
+                            and math.isfinite(b) for b in bws)):
+        raise ValueError(f"topology {t.name!r}: mesh_dim_bandwidth needs one positive number "
+                         f"per dimension of mesh_dims {list(dims)}, got {list(bws)}")
+
+
+def _check_sharp(t: Topology) -> None:
+    """``Topology.sharp`` and its figures: a ValueError that says what is wrong."""
+    m = t.sharp_max_bytes
+    if not isinstance(m, (int, np.integer)) or isinstance(m, bool) or m < 0:
+        raise ValueError(f"topology {t.name!r}: sharp_max_bytes must be an integer >= 0 (0: no "
+                         f"limit), got {m!r}")
+    if not isinstance(t.sharp, (bool, np.bool_)):
+        raise ValueError(f"topology {t.name!r}: sharp must be true or false, got {t.sharp!r}")
+    if t.sharp and t.intra == "fullmesh":
+        # the GPUs' reduction inside a server is priced on per-accelerator links, which a full
+        # mesh does not have
+        raise ValueError(f"topology {t.name!r}: sharp with intra kind 'fullmesh' is not "
+                         f"modelled (SHARP needs 'nvswitch' or 'pcie' servers)")
 
 
 def default_placement(topo: Topology, ranks: Optional[int] = None) -> np.ndarray:
@@ -243,16 +343,28 @@ class Fabric:
         if t.intra == "pcie":
             root = t.pcie_root_bandwidth if t.pcie_root_bandwidth else math.inf
             block("root", S, root, lambda i: f"PCIe root of server {i}")
-        if t.intra == "fullmesh":
+        if t.intra == "fullmesh" and not t.mesh_dims:
             per = intra_bw / max(1, g - 1)
             block("pair", S * g * g, per,
                   lambda i: f"mesh link {i // (g * g)}:{i % (g * g) // g}->{i % g}")
+        elif t.intra == "fullmesh":
+            # one block per dimension: link (server, accelerator, coordinate x) leads to the
+            # accelerator that has x in that dimension (x = its own coordinate is never used)
+            for dim, (d, per) in enumerate(zip(t.mesh_dims, t.mesh_port_bandwidth())):
+                block(f"mesh{dim}", S * g * d, per,
+                      lambda i, d=d, dim=dim: f"mesh link {i // (g * d)}:{i % (g * d) // d} "
+                                              f"dim {dim} -> {i % d}")
         if t.nvls_bandwidth:
             block("nvls_up", E, t.nvls_bandwidth, lambda i: f"NVLS port of acc {i}, up")
             block("nvls_down", E, t.nvls_bandwidth, lambda i: f"NVLS port of acc {i}, down")
         nic_bw = t.nic_link.bandwidth
         block("nic_out", S * nps, nic_bw, lambda i: f"NIC {i // nps}.{i % nps} out")
         block("nic_in", S * nps, nic_bw, lambda i: f"NIC {i // nps}.{i % nps} in")
+        if t.sharp and t.sharp_port_bandwidth:
+            block("sharp_up", S * nps, t.sharp_port_bandwidth,
+                  lambda i: f"SHARP port of NIC {i // nps}.{i % nps}, up")
+            block("sharp_down", S * nps, t.sharp_port_bandwidth,
+                  lambda i: f"SHARP port of NIC {i // nps}.{i % nps}, down")
         self.nics_per_leaf = t.leaf_servers * (1 if t.rails else nps)
         self.leaves = t.groups * (nps if t.rails else 1)
         leaf_cap = self.nics_per_leaf * nic_bw / t.oversubscription
@@ -271,6 +383,11 @@ class Fabric:
         self._names = names if len(names) == len(self.capacity) else None
         self.kind_of = np.concatenate(kinds)
         self.kinds = list(self._base)
+        # switch participants' ids (innet): the servers' switches from ``endpoints``, then
+        # (SHARP) a leaf switch per leaf group, a spine per pod (tiers 2: the one spine), the core
+        self.leaf_switch0 = E + S
+        self.spine_switch0 = self.leaf_switch0 + t.groups
+        self.core_switch = self.spine_switch0 + self.pods
 
     def __len__(self) -> int:
         return len(self.capacity)
@@ -288,13 +405,18 @@ class Fabric:
 
     @property
     def endpoint_ids(self) -> int:
-        """Ids a placement may use: the accelerators, then (with NVLS) each server's NVSwitch."""
-        return self.topo.endpoints + (self.topo.servers if self.topo.nvls_bandwidth else 0)
+        """Ids a placement may use: the accelerators, then (with NVLS) each server's NVSwitch,
+        and (with SHARP) every server's switch and the network's switches."""
+        t = self.topo
+        if t.sharp:
+            return self.core_switch + 1
+        return t.endpoints + (t.servers if t.nvls_bandwidth else 0)
 
-    def routes_gaps(self, src: np.ndarray, dst: np.ndarray
+    def routes_gaps(self, src: np.ndarray, dst: np.ndarray, lane: Optional[np.ndarray] = None
                     ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """routes() and the issue gap of each (that of its first link class; 0 to oneself).
-        An id from ``endpoints`` on is a server's NVSwitch (``nvls_bandwidth``)."""
+        An id from ``endpoints`` on is a switch participant (module doc: NVLS, SHARP); ``lane``:
+        the NIC a message between switches takes (default 0)."""
         src = np.asarray(src, dtype=np.int64)
         dst = np.asarray(dst, dtype=np.int64)
         E = self.topo.endpoints
@@ -306,13 +428,90 @@ class Fabric:
         real = ~switch
         if real.any():
             links[real], lat[real], gap[real] = self._accelerator_routes(src[real], dst[real])
-        b, intra = self._base, self.topo.intra_link
-        up = (src < E) & (dst >= E)            # accelerator -> its NVSwitch
-        down = (src >= E) & (dst < E)
-        links[up, 0], links[up, 1] = b["acc_out"] + src[up], b["nvls_up"] + src[up]
-        links[down, 0], links[down, 1] = b["nvls_down"] + dst[down], b["acc_in"] + dst[down]
-        lat[up | down], gap[up | down] = intra.latency, intra.gap
-        return links, lat, gap               # NVSwitch to NVSwitch (one fabric): no links
+        lane = np.zeros(len(src), np.int64) if lane is None else np.asarray(lane, np.int64)
+        self._switch_routes(switch, src, dst, lane, links, lat, gap)
+        return links, lat, gap
+
+    def _switch_level(self, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(level, index) of ids: 0 an accelerator, 1 a server's switch, 2 a leaf group's,
+        3 a spine, 4 the core (the last three only with SHARP)."""
+        E = self.topo.endpoints
+        starts = [0, E] + ([self.leaf_switch0, self.spine_switch0, self.core_switch]
+                           if self.topo.sharp else [])
+        level = np.searchsorted(np.asarray(starts), ids, side="right") - 1
+        return level, ids - np.asarray(starts)[level]
+
+    def _switch_routes(self, rows: np.ndarray, src: np.ndarray, dst: np.ndarray,
+                       lane: np.ndarray, links: np.ndarray, lat: np.ndarray,
+                       gap: np.ndarray) -> None:
+        """Fill ``rows`` (messages to or from a switch participant) of links / lat / gap."""
+        t, b = self.topo, self._base
+        g, nps = t.gpus_per_server, t.nics_per_server
+        col = np.zeros(len(src), dtype=np.int64)
+
+        def put(mask, ids):
+            rows_ = np.nonzero(mask)[0]
+            if rows_.size:
+                links[rows_, col[rows_]] = ids[rows_]
+                col[rows_] += 1
+
+        ls, xs = self._switch_level(src)
+        ld, xd = self._switch_level(dst)
+        up = rows & (ls == 0) & (ld == 1)           # accelerator -> its server's switch
+        down = rows & (ls == 1) & (ld == 0)
+        acc = np.where(up, src, dst)
+        if t.nvls_bandwidth:
+            put(up, b["acc_out"] + acc)
+            put(up, b["nvls_up"] + acc)
+            put(down, b["nvls_down"] + acc)
+            put(down, b["acc_in"] + acc)
+        elif g > 1:
+            # the GPUs reduce and broadcast inside the server themselves (CollNet's chain):
+            # each moves the vector out and in over its own link, in both phases
+            for m in (up, down):
+                put(m, b["acc_out"] + acc)
+                if t.intra == "pcie" and t.pcie_root_bandwidth:
+                    put(m, b["root"] + acc // g)
+                put(m, b["acc_in"] + acc)
+        if t.nvls_bandwidth or g > 1:
+            lat[up | down], gap[up | down] = t.intra_link.latency, t.intra_link.gap
+        sw, agg = t.switch_latency, t.sharp_latency
+        # a server's switch and its leaf group's, on lane k: NIC k and its SHARP port
+        s_up = rows & (ls == 1) & (ld == 2)
+        s_down = rows & (ls == 2) & (ld == 1)
+        nic = np.where(s_up, xs, xd) * nps + lane
+        put(s_up, b["nic_out"] + nic)
+        put(s_down, b["nic_in"] + nic)
+        if "sharp_up" in b:
+            put(s_up, b["sharp_up"] + nic)
+            put(s_down, b["sharp_down"] + nic)
+        lat[s_up] = t.nic_link.latency + sw + agg
+        lat[s_down] = t.nic_link.latency + sw
+        gap[s_up] = t.nic_link.gap          # a switch multicasts down: no issue gap
+        # a leaf group's switch and its spine: the trunk lane k crosses (rails: leaf k's)
+        l_up = rows & (ls == 2) & (ld == 3)
+        l_down = rows & (ls == 3) & (ld == 2)
+        group = np.where(l_up, xs, xd)
+        trunk = group * nps + lane if t.rails else group
+        if t.tiers >= 2:
+            put(l_up, b["leaf_up"] + trunk)
+            put(l_down, b["leaf_down"] + trunk)
+        # a pod's spine and the core
+        p_up = rows & (ls == 3) & (ld == 4)
+        p_down = rows & (ls == 4) & (ld == 3)
+        if t.tiers >= 3:
+            put(p_up, b["pod_up"] + np.where(p_up, xs, xd))
+            put(p_down, b["pod_down"] + np.where(p_up, xs, xd))
+        lat[l_up | p_up] = sw + agg
+        lat[l_down | p_down] = sw
+        routed = up | down | s_up | s_down | l_up | l_down | p_up | p_down
+        stray = rows & ~routed & (src != dst) & ((ls != 1) | (ld != 1))
+        if stray.any():
+            i = int(np.nonzero(stray)[0][0])
+            raise ValueError(f"no route between endpoint ids {int(src[i])} and {int(dst[i])}: "
+                             f"a switch participant talks to its own server's accelerators and "
+                             f"its parent or children in the fabric only")
+        # between two servers' switches placed on one NVSwitch (NVLS, one server): no links
 
     def _accelerator_routes(self, src: np.ndarray, dst: np.ndarray
                             ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -345,9 +544,11 @@ class Fabric:
             if t.intra == "pcie" and t.pcie_root_bandwidth:
                 put(same, b["root"] + sa)
             put(same, b["acc_in"] + dst)
-        else:
+        elif not t.mesh_dims:
             put(same, b["pair"] + sa * g * g + ia * g + ib)
-        lat[same] = t.intra_link.latency
+        else:
+            lat[same] = self._mesh_route(same, sa, ia, ib, put)
+        lat[same] += t.intra_link.latency
         gap = np.zeros(F)
         gap[same] = t.intra_link.gap
         # between servers
@@ -382,6 +583,24 @@ class Fabric:
             lat[cross] = t.nic_link.latency + hops[cross] * t.switch_latency
             gap[cross] = t.nic_link.gap
         return links, lat, gap
+
+    def _mesh_route(self, same: np.ndarray, sa: np.ndarray, ia: np.ndarray, ib: np.ndarray,
+                    put) -> np.ndarray:
+        """Dimension-order hops inside a mesh unit (module doc); returns the extra latency of
+        each flow of ``same``: ``switch_latency`` per intermediate accelerator."""
+        t = self.topo
+        g = t.gpus_per_server
+        cur = ia.copy()
+        hops = np.zeros(len(ia))
+        stride = 1
+        for dim, d in enumerate(t.mesh_dims):
+            ca, cb = cur // stride % d, ib // stride % d
+            move = same & (ca != cb)
+            put(move, self._base[f"mesh{dim}"] + (sa * g + cur) * d + cb)
+            hops += move
+            cur = np.where(move, cur + (cb - ca) * stride, cur)
+            stride *= d
+        return np.maximum(hops[same] - 1, 0) * t.switch_latency
 
 
 # ------------------------------------------------------------------------------ files
@@ -471,9 +690,11 @@ def topology_from_dict(d: Mapping[str, Any], links: Mapping[str, LinkSpec],
             raise ValueError(f"[{key}]: unknown keys {sorted(bad)}; allowed: {sorted(allowed)}")
         return sec
 
-    intra = section("intra", {"kind", "link", "pcie_root_GBps", "nvls_GBps"})
+    intra = section("intra", {"kind", "link", "pcie_root_GBps", "nvls_GBps", "mesh_dims",
+                              "mesh_dim_GBps"})
     if "kind" in intra:
         kw["intra"] = intra["kind"]
+    _mesh_keys(intra, kw)
     if "link" in intra:
         kw["intra_link"] = link_from_dict(intra["link"], "intra.link", links)
     if "nvls_GBps" in intra:
@@ -489,7 +710,9 @@ def topology_from_dict(d: Mapping[str, Any], links: Mapping[str, LinkSpec],
     if "rails" in nic:
         kw["rails"] = bool(nic["rails"])
     net = section("network", {"tiers", "servers_per_leaf", "leaves_per_pod", "oversubscription",
-                              "core_oversubscription", "switch_latency_us", "rendezvous"})
+                              "core_oversubscription", "switch_latency_us", "rendezvous",
+                              "sharp", "sharp_port_GBps", "sharp_max_bytes", "sharp_latency_us"})
+    _sharp_keys(net, kw)
     if "rendezvous" in net:
         kw["rendezvous"] = bool(net["rendezvous"])
     for k in ("tiers", "servers_per_leaf", "leaves_per_pod"):
@@ -514,6 +737,50 @@ def topology_from_dict(d: Mapping[str, Any], links: Mapping[str, LinkSpec],
     if missing:
         raise ValueError(f"topology {kw['name']!r} lacks {missing} (or give base = PRESET)")
     return Topology(**kw)
+
+
+def _mesh_keys(intra: Mapping[str, Any], kw: Dict[str, Any]) -> None:
+    """[intra] mesh_dims = [8, 8] and mesh_dim_GBps = [196, 196] (one per dimension, per
+    accelerator and direction); a new kind other than fullmesh drops a base's mesh."""
+    def numbers(key: str) -> list:
+        v = intra[key]
+        if not isinstance(v, (list, tuple)) or not v:
+            raise ValueError(f"intra.{key}: expected a list with one entry per dimension, "
+                             f"got {v!r}")
+        return list(v)
+
+    if "kind" in intra and intra["kind"] != "fullmesh" and "mesh_dims" not in intra:
+        kw["mesh_dims"], kw["mesh_dim_bandwidth"] = (), ()
+    if "mesh_dims" in intra:
+        kw["mesh_dims"] = tuple(numbers("mesh_dims"))
+        if "mesh_dim_GBps" not in intra:     # a base's per-dimension figures fit its own dims
+            kw["mesh_dim_bandwidth"] = ()
+    if "mesh_dim_GBps" in intra:
+        kw["mesh_dim_bandwidth"] = tuple(_num(v, "intra.mesh_dim_GBps") * GB
+                                         for v in numbers("mesh_dim_GBps"))
+
+
+def _sharp_keys(net: Mapping[str, Any], kw: Dict[str, Any]) -> None:
+    """[network] sharp = true, sharp_port_GBps, sharp_max_bytes, sharp_latency_us; a figure
+    without SHARP on (here or in the base) is an error, not silently unused."""
+    if "sharp" in net:
+        if not isinstance(net["sharp"], bool):
+            raise ValueError(f"network.sharp: expected true or false, got {net['sharp']!r}")
+        kw["sharp"] = net["sharp"]
+    figures = sorted({"sharp_port_GBps", "sharp_max_bytes", "sharp_latency_us"} & set(net))
+    if figures and not kw.get("sharp"):
+        raise ValueError(f"network.{figures[0]} needs network.sharp = true (switches that "
+                         f"reduce)")
+    if "sharp_port_GBps" in net:
+        kw["sharp_port_bandwidth"] = _num(net["sharp_port_GBps"], "network.sharp_port_GBps") * GB
+    if "sharp_max_bytes" in net:
+        v = net["sharp_max_bytes"]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"network.sharp_max_bytes: expected an integer >= 0 (0: no limit), "
+                             f"got {v!r}")
+        kw["sharp_max_bytes"] = v
+    if "sharp_latency_us" in net:
+        kw["sharp_latency"] = _num(net["sharp_latency_us"], "network.sharp_latency_us") * US
 
 
 def read_topology_file(path: str, links: Mapping[str, LinkSpec],

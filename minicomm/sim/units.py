@@ -107,6 +107,8 @@ _LINK_WORDS = (
     (re.compile(r"^local copy on acc (\d+)$"), r"local copy on accelerator \1"),
     (re.compile(r"^NVLS port of acc (\d+), (up|down)$"),
      r"accelerator \1's NVLink SHARP port, \2"),
+    (re.compile(r"^SHARP port of NIC (\d+)\.(\d+), (up|down)$"),
+     r"the SHARP switch port of server \1's NIC \2, \3"),
 )
 
 

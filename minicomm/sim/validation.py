@@ -8,6 +8,11 @@ per NIC (NCCL's default) for the ring figures, the tree as NCCL's double binary 
 channels per NIC (tree.py) for the tree figures, the fastest family for the all-to-all rule.
 The error of a point is the model's busbw against the middle of the published range.
 
+In-network reduction (SHARP, ``sharp_points`` / ``sharp_latency_points``): published SHARP
+figures against ``innet`` on the machine with ``sharp`` on, algbw for bandwidth (the busbw of an
+in-network reduction is a convention, not a rate on a wire) and time for small messages, held to
+``SHARP_TOLERANCE``.
+
 Left out on purpose: runs the maintainers call misconfigured in those threads.
 """
 from __future__ import annotations
@@ -21,11 +26,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..algorithms import FAMILIES
 from . import protocols
 from .engine import simulate
-from .presets import get_topology, link
+from .presets import get_topology, link, links
+from .topology import link_from_dict
 from .units import parse_size
 
 TOLERANCE = 0.15          # every point within 15% of its published figure
 MEAN_TOLERANCE = 0.10     # and the geometric mean of the errors under 10%
+SHARP_TOLERANCE = 0.20    # every in-network reduction (SHARP) point within 20%
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ class Point:
     changes: Dict[str, object] = field(default_factory=dict)   # Topology fields
     nic: Optional[str] = None             # a link preset between the servers instead
     channels: Optional[int] = None        # the algorithm's channels (None: the default)
+    metric: str = "busbw"                 # what ``published`` is: busbw or algbw, GB/s
 
     @property
     def figure(self) -> float:
@@ -52,18 +60,22 @@ class Point:
 POINTS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "validation.json")
 
 
-def load_points(path: str = POINTS_FILE) -> Tuple[Point, ...]:
-    """The published figures (``validation.json``: data, as the presets are)."""
+def load_points(path: str = POINTS_FILE, key: str = "points") -> Tuple[Point, ...]:
+    """The published figures (``validation.json``: data, as the presets are); ``key``: which
+    list ("points", or "sharp_points", whose figures may be algbw: ``published_algbw``)."""
     with open(path, encoding="utf-8") as f:
         doc = json.load(f)
-    return tuple(Point(d["name"], d["setup"], d["source"], tuple(d["published_busbw"]),
+    return tuple(Point(d["name"], d["setup"], d["source"],
+                       tuple(d["published_busbw"] if "published_busbw" in d
+                             else d["published_algbw"]),
                        d["preset"], d["servers"], d["size"], d.get("collective", "allreduce"),
                        d.get("algorithm", "ring"), dict(d.get("changes", {})), d.get("nic"),
-                       d.get("channels"))
-                 for d in doc["points"])
+                       d.get("channels"), "busbw" if "published_busbw" in d else "algbw")
+                 for d in doc.get(key, ()))
 
 
 POINTS = load_points()
+SHARP_POINTS = load_points(key="sharp_points")
 
 
 @dataclass(frozen=True)
@@ -86,16 +98,18 @@ class LatencyPoint:
         return (self.published_us[0] + self.published_us[1]) / 2
 
 
-def load_latency_points(path: str = POINTS_FILE) -> Tuple[LatencyPoint, ...]:
+def load_latency_points(path: str = POINTS_FILE, key: str = "latency_points"
+                        ) -> Tuple[LatencyPoint, ...]:
     with open(path, encoding="utf-8") as f:
         doc = json.load(f)
     return tuple(LatencyPoint(d["name"], d["setup"], d["source"], tuple(d["published_us"]),
                               d["preset"], d["servers"], d["size"], d["algorithm"],
                               dict(d.get("changes", {})), d.get("channels"), d.get("nic"))
-                 for d in doc.get("latency_points", ()))
+                 for d in doc.get(key, ()))
 
 
 LATENCY_POINTS = load_latency_points()
+SHARP_LATENCY_POINTS = load_latency_points(key="sharp_latency_points")
 
 
 @dataclass
@@ -147,18 +161,26 @@ class Row:
     algorithm: str
     channels: int
     busbw: float
+    algbw: float = 0.0
+
+    @property
+    def model(self) -> float:
+        """The model's figure in the point's metric (busbw, or algbw)."""
+        return self.algbw if self.point.metric == "algbw" else self.busbw
 
     @property
     def error(self) -> float:
-        """The model's busbw against the published figure: (model - published) / published."""
-        return self.busbw / self.point.figure - 1.0
+        """The model's figure against the published one: (model - published) / published."""
+        return self.model / self.point.figure - 1.0
 
 
 def machine(point):
     """A point's simulated machine (a ``Point`` or ``LatencyPoint``): its preset with its server
-    count and changes."""
+    count and changes (``nic_link`` may be a link table, as in a topology file)."""
     topo = get_topology(point.preset).with_servers(point.servers)
     changes = dict(point.changes)
+    if isinstance(changes.get("nic_link"), dict):
+        changes["nic_link"] = link_from_dict(changes["nic_link"], "nic_link", links())
     if point.nic is not None:
         changes["nic_link"] = link(point.nic)
     return topo.replace(**changes) if changes else topo
@@ -171,7 +193,7 @@ def simulate_point(point: Point) -> Row:
     families = [point.algorithm] if point.algorithm else list(FAMILIES)
     best = max((simulate(point.collective, fam, topo, nbytes, channels=point.channels)
                 for fam in families), key=lambda r: r.busbw)
-    return Row(point, best.algorithm, best.channels, best.busbw)
+    return Row(point, best.algorithm, best.channels, best.busbw, best.algbw)
 
 
 def rows(points: Sequence[Point] = POINTS) -> List[Row]:
@@ -201,3 +223,46 @@ def render_markdown(found: Sequence[Row]) -> str:
     lines.append(f"\nGeometric-mean error: {100 * geometric_mean_error(found):.1f}%; largest: "
                  f"{100 * max(abs(r.error) for r in found):.1f}%.")
     return "\n".join(lines)
+
+
+@dataclass
+class SharpLatencyRow:
+    """A SHARP small-message point and the model's time for it (microseconds)."""
+    point: LatencyPoint
+    model_us: float
+
+    @property
+    def error(self) -> float:
+        return self.model_us / self.point.figure - 1.0
+
+
+def sharp_rows() -> List[Row]:
+    """Every in-network reduction (SHARP) bandwidth point, simulated."""
+    return rows(SHARP_POINTS)
+
+
+def sharp_latency_rows(points: Sequence[LatencyPoint] = SHARP_LATENCY_POINTS
+                       ) -> List[SharpLatencyRow]:
+    """Every SHARP small-message point: the model's time with its algorithm (innet)."""
+    return [SharpLatencyRow(pt, simulate("allreduce", pt.algorithm, machine(pt),
+                                         parse_size(pt.size)).time_s * 1e6) for pt in points]
+
+
+def render_sharp_markdown(found: Sequence[Row], timed: Sequence[SharpLatencyRow]) -> str:
+    """The docs' in-network reduction table: bandwidth points (algbw) and small-message
+    times, each with its source, the published figure, the model's and the error."""
+    lines = ["| point | setup | source | published | model | error |", "|---|---|---|---|---|---|"]
+    for r in found:
+        p = r.point
+        pub = (f"{p.published[0]:g}" if p.published[0] == p.published[1]
+               else f"{p.published[0]:g}-{p.published[1]:g}")
+        lines.append(f"| {p.name} | {p.setup} | {p.source} | {pub} GB/s {p.metric} | "
+                     f"{r.model:.1f} GB/s | {100 * r.error:+.1f}% |")
+    for r in timed:
+        p = r.point
+        pub = (f"{p.published_us[0]:g}" if p.published_us[0] == p.published_us[1]
+               else f"{p.published_us[0]:g}-{p.published_us[1]:g}")
+        lines.append(f"| {p.name} | {p.setup} | {p.source} | {pub} us | {r.model_us:.2f} us | "
+                     f"{100 * r.error:+.1f}% |")
+    return "\n".join(lines)
+
