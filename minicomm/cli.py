@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     from .algorithms import FAMILIES
-    from .schedule import COLLECTIVES
+    from .schedule import ALL_COLLECTIVES
     v = sub.add_parser("verify", help="prove every algorithm correct and deadlock-free",
                        description=VERIFY_DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -166,8 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--exhaustive", dest="all_roots", action="store_true",
                    help="every root, count and node map at every world size (slow)")
     v.add_argument("--jobs", type=int, default=0, help="processes (default: all cores)")
-    v.add_argument("--collective", action="append", choices=COLLECTIVES, metavar="COLLECTIVE",
-                   help=f"restrict to this collective (repeatable): {', '.join(COLLECTIVES)}")
+    v.add_argument("--collective", action="append", choices=ALL_COLLECTIVES,
+                   metavar="COLLECTIVE",
+                   help=f"restrict to this collective (repeatable): "
+                        f"{', '.join(ALL_COLLECTIVES)} (the uneven ones up to p=32)")
     v.add_argument("--algorithm", action="append", choices=FAMILIES + ("innet",),
                    metavar="FAMILY",
                    help=f"restrict to this algorithm family (repeatable): {', '.join(FAMILIES)}; "

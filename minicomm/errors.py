@@ -102,7 +102,8 @@ class SpawnError(CommError):
 # ---- packed call signature: what a message tag says about the call it belongs to ----
 COLLECTIVE_CODES = ("p2p", "broadcast", "reduce", "allreduce", "allgather", "reduce_scatter",
                     "gather", "scatter", "alltoall", "barrier", "fingerprint", "scatter:meta",
-                    "monitored_barrier")
+                    "monitored_barrier", "allgatherv", "gatherv", "scatterv", "alltoallv",
+                    "reduce_scatterv", "scan", "exscan", "counts")
 # "fingerprint": the argument check before a rooted call (or every call, MINICOMM_DEBUG=detail);
 # its tag carries the checked call's collective in the algorithm bits (see fingerprint_call), so a
 # rank in another call names it. "scatter:meta": scatter's header exchange (its argument check,

@@ -32,6 +32,22 @@ Buffer sizes per collective (n = the per-rank block ``count``, p = world size):
     scatter         p*n       n         only root's ``in`` is read
     alltoall        p*n       p*n       out[j*n:...] = in of rank j at [rank*n:...]
     barrier         0         0         messages of count 0 carry only ordering
+
+Uneven blocks (``counts``, c_j elements for rank j; T = their sum; blocks lie in rank order, block
+j at o_j = c_0 + ... + c_{j-1}) and prefix reductions:
+
+    allgatherv      c_r       T         out[o_j:o_j+c_j] = in of rank j
+    gatherv         c_r       T         only root's ``out`` is the result
+    scatterv        T         c_r       only root's ``in`` is read; out = its block r
+    reduce_scatterv T         c_r       out = sum over ranks of in[o_r:o_r+c_r]
+    alltoallv       S_r       R_r       ``counts`` is the p x p matrix C, row-major: rank i sends
+                                        C[i][j] elements to rank j; S_r = sum_j C[r][j], R_r =
+                                        sum_i C[i][r]; out holds the blocks by source rank, in
+                                        holds them by destination rank
+    scan            n         n         out = in_0 op ... op in_r
+    exscan          n         n         out = in_0 op ... op in_{r-1} (rank 0: undefined)
+
+For these ``count`` is T (alltoallv: the sum of C; scan: n), the same on every rank.
 """
 from __future__ import annotations
 
@@ -44,8 +60,13 @@ BUFFERS = (IN, OUT, TMP)
 
 COLLECTIVES = ("broadcast", "reduce", "allreduce", "allgather", "reduce_scatter",
                "gather", "scatter", "alltoall", "barrier")
-REDUCING = frozenset({"reduce", "allreduce", "reduce_scatter"})
-ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
+# uneven blocks (``counts``) and prefix reductions: module doc
+UNEVEN = ("allgatherv", "gatherv", "scatterv", "alltoallv", "reduce_scatterv")
+PREFIX = ("scan", "exscan")
+ALL_COLLECTIVES = COLLECTIVES + UNEVEN + PREFIX
+REDUCING = frozenset({"reduce", "allreduce", "reduce_scatter", "reduce_scatterv", "scan",
+                      "exscan"})
+ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter", "gatherv", "scatterv"})
 
 
 @dataclass(frozen=True)
@@ -191,6 +212,43 @@ def buffer_counts(collective: str, size: int, count: int) -> Tuple[int, int]:
     }[collective]
 
 
+def blocks_of(counts: Sequence[int]) -> List[Tuple[int, int]]:
+    """(offset, count) of each rank's block when blocks of ``counts`` lie in rank order.
+
+    Examples:
+        >>> blocks_of((2, 0, 3))
+        [(0, 2), (2, 0), (2, 3)]
+    """
+    out, off = [], 0
+    for c in counts:
+        out.append((off, c))
+        off += c
+    return out
+
+
+def matrix_of(counts: Sequence[int], size: int) -> List[Tuple[int, ...]]:
+    """alltoallv's ``counts`` as rows: row i holds what rank i sends to each rank."""
+    if len(counts) != size * size:
+        raise ValueError(f"alltoallv counts: {len(counts)} entries for {size} x {size}")
+    return [tuple(counts[i * size:(i + 1) * size]) for i in range(size)]
+
+
+def call_buffer_counts(collective: str, rank: int, size: int, count: int,
+                       counts: Sequence[int] = ()) -> Tuple[int, int]:
+    """(in_count, out_count) of ``rank``'s buffers, uneven and prefix collectives included
+    (module doc); the others as ``buffer_counts``."""
+    if collective in ("allgatherv", "gatherv"):
+        return counts[rank], sum(counts)
+    if collective in ("scatterv", "reduce_scatterv"):
+        return sum(counts), counts[rank]
+    if collective == "alltoallv":
+        rows = matrix_of(counts, size)
+        return sum(rows[rank]), sum(row[rank] for row in rows)
+    if collective in PREFIX:
+        return count, count
+    return buffer_counts(collective, size, count)
+
+
 @dataclass
 class Schedule:
     """The program one rank runs for one collective call: its steps and buffer sizes.
@@ -206,6 +264,7 @@ class Schedule:
         in_count (int): Elements of ``in``.
         out_count (int): Elements of ``out``.
         tmp_count (int): Elements of scratch ``tmp``.
+        counts (tuple): The uneven collectives' blocks (module doc); empty for the others.
 
     Examples:
         >>> from minicomm.algorithms import build_schedule
@@ -223,6 +282,7 @@ class Schedule:
     in_count: int
     out_count: int
     tmp_count: int = 0
+    counts: Tuple[int, ...] = ()      # uneven collectives: the blocks (module doc)
 
     @property
     def comm_steps(self) -> int:
@@ -271,10 +331,12 @@ class ScheduleBuilder:
     """
 
     def __init__(self, collective: str, algorithm: str, rank: int, size: int, count: int,
-                 root: int = 0):
+                 root: int = 0, counts: Sequence[int] = ()):
         self.collective, self.algorithm = collective, algorithm
         self.rank, self.size, self.count, self.root = rank, size, count, root
-        self.in_count, self.out_count = buffer_counts(collective, size, count)
+        self.counts = tuple(counts)
+        self.in_count, self.out_count = call_buffer_counts(collective, rank, size, count,
+                                                           self.counts)
         self.steps: List[Step] = []
         self.tmp_count = 0
 
@@ -328,7 +390,8 @@ class ScheduleBuilder:
             (Schedule): The schedule.
         """
         return Schedule(self.collective, self.algorithm, self.rank, self.size, self.count,
-                        self.root, self.steps, self.in_count, self.out_count, self.tmp_count)
+                        self.root, self.steps, self.in_count, self.out_count, self.tmp_count,
+                        self.counts)
 
 
 BufMap = Dict[str, Tuple[str, int]]   # sub-schedule buffer name -> (outer buffer, base offset)

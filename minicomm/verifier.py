@@ -25,7 +25,19 @@ from collections import defaultdict
 from itertools import repeat
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .schedule import IN, OUT, TMP, Copy, Recv, Reduce, Schedule, Send, buffer_counts
+from .schedule import (
+    IN,
+    OUT,
+    TMP,
+    Copy,
+    Recv,
+    Reduce,
+    Schedule,
+    Send,
+    blocks_of,
+    call_buffer_counts,
+    matrix_of,
+)
 
 # ``verify``'s optional hook: (rank, step, op) for every op as the verifier runs it
 Trace = Callable[[int, int, object], None]
@@ -64,7 +76,8 @@ def _regions_overlap(a: Tuple[str, int, int], b: Tuple[str, int, int]) -> bool:
 
 def _check_structure(s: Schedule, participants: int) -> None:
     sizes = {IN: s.in_count, OUT: s.out_count, TMP: s.tmp_count}
-    ein, eout = buffer_counts(s.collective, s.size, s.count) if s.rank < s.size else (0, 0)
+    ein, eout = (call_buffer_counts(s.collective, s.rank, s.size, s.count, s.counts)
+                 if s.rank < s.size else (0, 0))
     if (s.in_count, s.out_count) != (ein, eout):
         raise VerificationError(f"rank {s.rank}: buffer sizes {(s.in_count, s.out_count)} "
                                 f"!= {(ein, eout)} for {s.collective}")
@@ -133,7 +146,8 @@ def _check_call(schedules: Sequence[Schedule]) -> None:
     if len(schedules) < p:
         raise VerificationError(f"{len(schedules)} schedules for a world of {p} ranks")
     for r, s in enumerate(schedules):
-        if s.rank != r or s.size != p or (s.collective, s.count, s.root) != (coll, count, root):
+        if s.rank != r or s.size != p or (s.collective, s.count, s.root, s.counts) != (
+                coll, count, root, s0.counts):
             raise VerificationError(f"schedule {r} is for another call: {s.summary()}")
         _check_structure(s, len(schedules))
 
@@ -305,7 +319,7 @@ def _check_results(schedules, state, knows) -> None:
     coll, p, n, root = s0.collective, s0.size, s0.count, s0.root
     full = (1 << p) - 1
 
-    def expect(r: int, lo: int, first_src: int, mask: int, what: str):
+    def expect(r: int, lo: int, first_src: int, mask: int, what: str, n: int = n):
         got = state[r][OUT][lo:lo + n]
         want = list(zip(range(first_src, first_src + n), repeat(mask)))
         if got != want:
@@ -339,6 +353,21 @@ def _check_results(schedules, state, knows) -> None:
         elif coll == "alltoall":
             for j in range(p):
                 expect(r, j * n, r * n, 1 << j, f"block from rank {j}")
+        elif coll == "allgatherv" or (coll == "gatherv" and r == root):
+            for j, (o, c) in enumerate(blocks_of(s0.counts)):
+                expect(r, o, 0, 1 << j, f"block of rank {j}", c)
+        elif coll in ("scatterv", "reduce_scatterv"):
+            o, c = blocks_of(s0.counts)[r]
+            expect(r, 0, o, 1 << root if coll == "scatterv" else full,
+                   "scattered block" if coll == "scatterv" else "reduced block", c)
+        elif coll == "alltoallv":
+            rows = matrix_of(s0.counts, p)
+            recv_at = blocks_of([rows[i][r] for i in range(p)])
+            for i in range(p):
+                expect(r, recv_at[i][0], blocks_of(rows[i])[r][0], 1 << i,
+                       f"block from rank {i}", rows[i][r])
+        elif coll == "scan" or (coll == "exscan" and r > 0):
+            expect(r, 0, 0, (1 << (r + (coll == "scan"))) - 1, "prefix")
 
 
 def _ranks(mask: int) -> List[int]:

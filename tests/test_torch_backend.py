@@ -290,6 +290,15 @@ def _w_gather_family(rank, size):
     dist.all_to_all(outs, ins)
     for j in range(size):
         _eq(outs[j], torch.full((rank + 1,), float(j)), "all_to_all uneven")
+    # all_gather and scatter with uneven sizes (minicomm's allgatherv and scatterv)
+    outs = [torch.zeros(j + 1) for j in range(size)]
+    dist.all_gather(outs, torch.full((rank + 1,), float(rank)))
+    for j in range(size):
+        _eq(outs[j], torch.full((j + 1,), float(j)), "all_gather uneven")
+    got = torch.zeros(rank + 2)
+    dist.scatter(got, [torch.full((j + 2,), 5.0 + j) for j in range(size)] if rank == 0
+                 else None, src=0)
+    _eq(got, torch.full((rank + 2,), 5.0 + rank), "scatter uneven")
     return True
 
 

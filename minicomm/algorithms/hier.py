@@ -72,6 +72,41 @@ barrier: INTRA gather of zero-length messages to the leader (the leader learns i
   INTER barrier among leaders, INTRA broadcast of zero-length messages (release).
   T_ring(gather, L, 0) + T_rhd(barrier, m) + T_ring(broadcast, L, 0).
 
+Uneven blocks (``build_v``; c_r elements for rank r in rank order, T their sum, N_k the sum over
+node k's ranks; T_f(coll, q, x) with x a list of blocks) and prefixes. Sub-phases are the
+families' ``build_v`` schedules; node blocks need no padding (uneven blocks are the norm here).
+"Node order": node k's N_k elements after those of nodes 0..k-1, its ranks' blocks in rank order
+inside; it is rank order when every node is a run of consecutive ranks (sizes free), and a leader
+permutes T elements locally otherwise. One node, or one rank per node: the flat schedule alone.
+allgatherv: INTRA gatherv to the leader, INTER allgatherv of the node blocks N_k among leaders,
+  the leader's permutation to rank order, INTRA broadcast of T.
+  T_ring(gatherv, L, c) + T_rhd(allgatherv, m, N) + T_ring(broadcast, L, T).
+gatherv: INTRA gatherv to the leader, INTER gatherv of node blocks to the root (straight into
+  ``out`` when node order is rank order), which permutes. T_ring(gatherv, L, c) +
+  T_rhd(gatherv, m, N).
+scatterv: the reverse: the root permutes to node order, INTER scatterv of node blocks, INTRA
+  scatterv. T_rhd(scatterv, m, N) + T_ring(scatterv, L, c).
+reduce_scatterv, equal nodes: the input is permuted so that segment i holds the blocks of the
+  ranks of local index i (node order; skipped when rank = i*m + node), INTRA reduce_scatterv of
+  the segments (S_i = their sum), INTER reduce_scatterv of c among the ranks of local index i.
+  T_ring(reduce_scatterv, L, S) + T_rhd(reduce_scatterv, m, c of the local index's ranks).
+reduce_scatterv, uneven nodes: INTRA reduce of T to the leader, its permutation to node order,
+  INTER reduce_scatterv of node blocks among leaders, INTRA scatterv.
+  T_ring(reduce, L, T) + T_rhd(reduce_scatterv, m, N) + T_ring(scatterv, L, c).
+alltoallv: INTRA gatherv of every member's whole input (S_r = Σ_j C[r][j]) to the leader, which
+  packs what node k sends node j (for each member d of j, for each member s of k, C[s][d]), INTER
+  alltoallv of the node matrix M[k][j] = Σ_{s∈k, d∈j} C[s][d] among leaders, the leader unpacks
+  each member's blocks by source rank, INTRA scatterv of R_d = Σ_i C[i][d].
+  T_ring(gatherv, L, S) + T_rhd(alltoallv, m, M) + T_ring(scatterv, L, R): m-1 instead of p-1
+  messages crossing the network per rank, for leader memory and two intra-node hops.
+scan, exscan: when every node is a run of consecutive ranks: INTRA scan (exscan) in the node;
+  the node's last rank holds its node total (exscan: forms it, its prefix op its input); INTER
+  exscan of the totals among the nodes' last ranks; on nodes k > 0 INTRA broadcast of that
+  exclusive node prefix from the last rank and a local reduce of it into ``out`` (exscan's local
+  index 0 copies it). T_ring(scan, L, n) + T_rhd(exscan, m, n) + T_ring(broadcast, L, n) + nγ.
+  Nodes that interleave in rank order (e.g. (0, 1, 0, 1)) do not split a prefix into node
+  prefixes: the flat INTER scan (exscan) on all ranks, T_rhd(scan, p, n).
+
 Communicating steps of a rank = the sum of the comm steps of the phases it takes part in (the
 pipelined allreduce aside: at most (S+2)Λ).
 """
@@ -89,6 +124,7 @@ from ..schedule import (
     TMP,
     Copy,
     Recv,
+    Reduce,
     Schedule,
     ScheduleBuilder,
     Send,
@@ -472,3 +508,264 @@ def _barrier(b: ScheduleBuilder, pl: _Place, n: int) -> None:
 _BUILDERS = {"broadcast": _broadcast, "reduce": _reduce, "allreduce": _allreduce,
              "allgather": _allgather, "reduce_scatter": _reduce_scatter, "gather": _gather,
              "scatter": _scatter, "alltoall": _alltoall, "barrier": _barrier}
+
+
+# ------------------------------------------------------------------ uneven blocks and prefixes
+def build_v(collective: str, rank: int, size: int, count: int, root: int, topology,
+            counts: Tuple[int, ...]) -> Schedule:
+    """The uneven collectives and the prefix reductions (module doc)."""
+    if len(topology) != size:
+        raise ValueError(f"topology names {len(topology)} ranks, world size is {size}")
+    nm = node_map(tuple(topology))
+    counts = tuple(counts)
+    b = ScheduleBuilder(collective, "hier", rank, size, count, root, counts)
+    if nm.m == 1 or nm.m == size:
+        _phase_v(b, collective, INTRA if nm.m == 1 else INTER, range(size), rank, root, counts,
+                 (IN, 0), (OUT, 0), count)
+    elif collective in ("scan", "exscan") and not _consecutive(nm):
+        # Nodes interleave in rank order: a prefix does not split into node prefixes.
+        _phase_v(b, collective, INTER, range(size), rank, 0, (), (IN, 0), (OUT, 0), count)
+    else:
+        _V_BUILDERS[collective](b, _Place(nm, rank, root, collective in ROOTED), count, counts)
+    return b.build()
+
+
+def _phase_v(b: ScheduleBuilder, coll: str, fam: str, group: Sequence[int], sub_rank: int,
+             sub_root: int, counts: Sequence[int], inb: Region, outb: Region,
+             count: int = 0) -> None:
+    """``_phase`` for the uneven and prefix collectives: ``counts`` are the group's (in group
+    order), ``count`` their sum (a prefix call: its n, with no ``counts``)."""
+    counts = tuple(counts)
+    if counts:
+        count = sum(counts)
+    sub = _flat_v(coll, fam, sub_rank, len(group), count, sub_root, counts)
+    b.extend(embed(sub, group, {IN: inb, OUT: outb, TMP: (TMP, b.alloc_tmp(sub.tmp_count))}))
+
+
+@lru_cache(maxsize=4096)
+def _flat_v(coll: str, fam: str, rank: int, size: int, count: int, root: int,
+            counts: Tuple[int, ...]) -> Schedule:
+    return _FLAT[fam].build_v(coll, rank, size, count, root, (0,) * size, counts)
+
+
+def _consecutive(nm: NodeMap) -> bool:
+    """Every node is a run of consecutive ranks (node order = rank order), sizes free."""
+    return [r for g in nm.nodes for r in g] == list(range(len(nm.node_of)))
+
+
+def _totals(nm: NodeMap, counts: Sequence[int]) -> List[int]:
+    """Elements of each node's blocks."""
+    return [sum(counts[r] for r in g) for g in nm.nodes]
+
+
+def _moves_v(src: str, dst: str, moves) -> List[Copy]:
+    """Copy ops for blocks ``(src_offset, dst_offset, length)``, adjacent blocks merged and empty
+    ones dropped."""
+    ops: List[List[int]] = []
+    for so, do, ln in moves:
+        if not ln:
+            continue
+        if ops and ops[-1][0] + ops[-1][2] == so and ops[-1][1] + ops[-1][2] == do:
+            ops[-1][2] += ln
+        else:
+            ops.append([so, do, ln])
+    return [Copy(src, so, dst, do, ln) for so, do, ln in ops]
+
+
+def _node_order_v(nm: NodeMap, counts: Sequence[int]):
+    """(rank's block offset in rank order, its offset in node order, its length) per rank, in
+    node order (node order: the nodes' blocks one after the other, no padding)."""
+    rank_off = [0] * len(counts)
+    for r in range(1, len(counts)):
+        rank_off[r] = rank_off[r - 1] + counts[r - 1]
+    off = 0
+    for g in nm.nodes:
+        for r in g:
+            yield rank_off[r], off, counts[r]
+            off += counts[r]
+
+
+def _allgatherv(b: ScheduleBuilder, pl: _Place, total: int, counts: Tuple[int, ...]) -> None:
+    nm = pl.nm
+    mine_counts = [counts[r] for r in pl.node]
+    if pl.is_leader:
+        tot = _totals(nm, counts)
+        mine = (TMP, b.alloc_tmp(tot[pl.k]))
+        _phase_v(b, "gatherv", INTRA, pl.node, pl.i, pl.lead, mine_counts, (IN, 0), mine)
+        ordered = (TMP, b.alloc_tmp(total))
+        direct = _consecutive(nm)
+        every = ordered if direct else (TMP, b.alloc_tmp(total))
+        _phase_v(b, "allgatherv", INTER, pl.leaders, pl.k, 0, tot, mine, every)
+        if not direct:
+            b.step(*_moves_v(TMP, TMP, sorted((every[1] + s, ordered[1] + d, ln)
+                                              for d, s, ln in _node_order_v(nm, counts))))
+        src = ordered
+    else:
+        _phase_v(b, "gatherv", INTRA, pl.node, pl.i, pl.lead, mine_counts, (IN, 0),
+                 (OUT, 0))   # out: scratch
+        src = (IN, 0)   # not read
+    _phase(b, "broadcast", INTRA, pl.node, pl.i, total, pl.lead, src, (OUT, 0))
+
+
+def _gatherv(b: ScheduleBuilder, pl: _Place, total: int, counts: Tuple[int, ...]) -> None:
+    nm = pl.nm
+    mine_counts = [counts[r] for r in pl.node]
+    if not pl.is_leader:
+        _phase_v(b, "gatherv", INTRA, pl.node, pl.i, pl.lead, mine_counts, (IN, 0),
+                 (OUT, 0))   # out: scratch
+        return
+    tot = _totals(nm, counts)
+    mine = (TMP, b.alloc_tmp(tot[pl.k]))
+    _phase_v(b, "gatherv", INTRA, pl.node, pl.i, pl.lead, mine_counts, (IN, 0), mine)
+    direct = pl.is_root and _consecutive(nm)
+    every = (OUT, 0) if direct else (TMP, b.alloc_tmp(total))
+    _phase_v(b, "gatherv", INTER, pl.leaders, pl.k, pl.root_node, tot, mine, every)
+    if pl.is_root and not direct:
+        b.step(*_moves_v(TMP, OUT, sorted((every[1] + s, d, ln)
+                                          for d, s, ln in _node_order_v(nm, counts))))
+
+
+def _scatterv(b: ScheduleBuilder, pl: _Place, total: int, counts: Tuple[int, ...]) -> None:
+    nm = pl.nm
+    src = (IN, 0)   # on non-roots never read
+    if pl.is_leader:
+        tot = _totals(nm, counts)
+        if pl.is_root and not _consecutive(nm):
+            src = (TMP, b.alloc_tmp(total))
+            b.step(*_moves_v(IN, TMP, ((s, src[1] + d, ln)
+                                       for s, d, ln in _node_order_v(nm, counts))))
+        mine = (TMP, b.alloc_tmp(tot[pl.k]))
+        _phase_v(b, "scatterv", INTER, pl.leaders, pl.k, pl.root_node, tot, src, mine)
+        src = mine
+    _phase_v(b, "scatterv", INTRA, pl.node, pl.i, pl.lead, [counts[r] for r in pl.node], src,
+             (OUT, 0))
+
+
+def _reduce_scatterv(b: ScheduleBuilder, pl: _Place, total: int,
+                     counts: Tuple[int, ...]) -> None:
+    nm = pl.nm
+    if nm.equal:
+        # Segment i = the blocks of the ranks of local index i, in node order.
+        seg_counts = [sum(counts[g[i]] for g in nm.nodes) for i in range(nm.lmax)]
+        vec = (IN, 0)
+        if not nm.cyclic:
+            vec = (TMP, b.alloc_tmp(total))
+            at = _starts(counts)
+            moves, off = [], vec[1]
+            for i in range(nm.lmax):
+                for g in nm.nodes:
+                    moves.append((at[g[i]], off, counts[g[i]]))
+                    off += counts[g[i]]
+            b.step(*_moves_v(IN, TMP, sorted(moves)))
+        seg = (TMP, b.alloc_tmp(seg_counts[pl.i]))
+        _phase_v(b, "reduce_scatterv", INTRA, pl.node, pl.i, 0, seg_counts, vec, seg)
+        peers = [g[pl.i] for g in nm.nodes]
+        _phase_v(b, "reduce_scatterv", INTER, peers, pl.k, 0, [counts[q] for q in peers], seg,
+                 (OUT, 0))
+        return
+    # Uneven nodes: reduce the whole input to the leader, reduce-scatter node blocks among the
+    # leaders (uneven blocks need no padding), scatter inside the node.
+    whole = (TMP, b.alloc_tmp(total))
+    _phase(b, "reduce", INTRA, pl.node, pl.i, total, pl.lead, (IN, 0), whole)
+    src = (IN, 0)   # not read
+    if pl.is_leader:
+        tot = _totals(nm, counts)
+        blocks = whole
+        if not _consecutive(nm):
+            blocks = (TMP, b.alloc_tmp(total))
+            b.step(*_moves_v(TMP, TMP, ((whole[1] + s, blocks[1] + d, ln)
+                                        for s, d, ln in _node_order_v(nm, counts))))
+        src = (TMP, b.alloc_tmp(tot[pl.k]))
+        _phase_v(b, "reduce_scatterv", INTER, pl.leaders, pl.k, 0, tot, blocks, src)
+    _phase_v(b, "scatterv", INTRA, pl.node, pl.i, pl.lead, [counts[r] for r in pl.node], src,
+             (OUT, 0))
+
+
+def _alltoallv(b: ScheduleBuilder, pl: _Place, total: int, counts: Tuple[int, ...]) -> None:
+    nm, p = pl.nm, len(pl.nm.node_of)
+    C = [counts[i * p:(i + 1) * p] for i in range(p)]
+    sent = [_starts(row) for row in C]                                    # in of rank s, by dest
+    got = [_starts([C[s][d] for s in range(p)]) for d in range(p)]        # out of rank d, by src
+    node = pl.node
+    # The leader gathers every member's whole input: member i's at rows + in_at[i].
+    in_at = _starts([sent[s][p] for s in node])
+    rows = (TMP, b.alloc_tmp(in_at[-1]))
+    _phase_v(b, "gatherv", INTRA, node, pl.i, pl.lead, [sent[s][p] for s in node], (IN, 0), rows)
+    src = (IN, 0)   # not read
+    if pl.is_leader:
+        # What node k sends node j: for each member d of j, for each member s of k, C[s][d].
+        M = [[sum(C[s][d] for s in gk for d in gj) for gj in nm.nodes] for gk in nm.nodes]
+        k = pl.k
+        send = b.alloc_tmp(sum(M[k]))
+        recv = b.alloc_tmp(sum(M[j][k] for j in range(nm.m)))
+        moves, off = [], send
+        for gj in nm.nodes:
+            for d in gj:
+                for i, s in enumerate(node):
+                    moves.append((rows[1] + in_at[i] + sent[s][d], off, C[s][d]))
+                    off += C[s][d]
+        b.step(*_moves_v(TMP, TMP, moves))
+        _phase_v(b, "alltoallv", INTER, pl.leaders, k, 0, [x for row in M for x in row],
+                 (TMP, send), (TMP, recv))
+        # Member d's output at src + out_at[di], its blocks by source rank.
+        out_at = _starts([got[d][p] for d in node])
+        src = (TMP, b.alloc_tmp(out_at[-1]))
+        moves, off = [], recv
+        for gk in nm.nodes:
+            for di, d in enumerate(node):
+                for s in gk:
+                    moves.append((off, src[1] + out_at[di] + got[d][s], C[s][d]))
+                    off += C[s][d]
+        b.step(*_moves_v(TMP, TMP, sorted(moves, key=lambda mv: mv[1])))
+    _phase_v(b, "scatterv", INTRA, node, pl.i, pl.lead, [got[d][p] for d in node], src,
+             (OUT, 0))
+
+
+def _prefix(b: ScheduleBuilder, pl: _Place, n: int, inclusive: bool) -> None:
+    """scan / exscan over nodes of consecutive ranks (module doc): INTRA prefix in the node, INTER
+    exscan of node totals among the nodes' last ranks, INTRA broadcast of it from the last rank
+    and a local reduce (node 0 has nothing to add)."""
+    nm = pl.nm
+    last = len(pl.node) - 1
+    lasts = [g[-1] for g in nm.nodes]
+    _phase_v(b, "scan" if inclusive else "exscan", INTRA, pl.node, pl.i, 0, (), (IN, 0),
+             (OUT, 0), n)
+    before = (TMP, b.alloc_tmp(n)) if pl.k > 0 else (IN, 0)   # the nodes before this one
+    if pl.i == last:
+        total: Region = (OUT, 0) if inclusive else (IN, 0)
+        if not inclusive and last > 0:     # the node's total: its exclusive prefix op own input
+            total = (TMP, b.alloc_tmp(n))
+            b.step(Copy(OUT, 0, TMP, total[1], n), Reduce(IN, 0, TMP, total[1], n))
+        ex = (TMP, b.alloc_tmp(n))         # scratch on node 0 (rank 0's exscan is undefined)
+        _phase_v(b, "exscan", INTER, lasts, pl.k, 0, (), total, ex, n)
+        src = ex
+    else:
+        src = (IN, 0)   # not read
+    if pl.k == 0:
+        return
+    _phase(b, "broadcast", INTRA, pl.node, pl.i, n, last, src, before)
+    if inclusive or pl.i > 0:
+        b.step(Reduce(before[0], before[1], OUT, 0, n))
+    else:                                  # local index 0 has no node prefix of its own
+        b.step(Copy(before[0], before[1], OUT, 0, n))
+
+
+def _scan(b: ScheduleBuilder, pl: _Place, n: int, counts: Tuple[int, ...]) -> None:
+    _prefix(b, pl, n, True)
+
+
+def _exscan(b: ScheduleBuilder, pl: _Place, n: int, counts: Tuple[int, ...]) -> None:
+    _prefix(b, pl, n, False)
+
+
+def _starts(counts: Sequence[int]) -> List[int]:
+    """Start offsets of consecutive blocks of ``counts``, plus the end (their sum)."""
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out
+
+
+_V_BUILDERS = {"allgatherv": _allgatherv, "gatherv": _gatherv, "scatterv": _scatterv,
+               "reduce_scatterv": _reduce_scatterv, "alltoallv": _alltoallv, "scan": _scan,
+               "exscan": _exscan}

@@ -44,6 +44,35 @@ alltoall: pairwise exchange, one partner per step, sending and receiving with it
   a power of two); (p-1)α + (p-1)nβ.
 barrier: dissemination — in round k send a zero-count message to rank + 2^k and receive one from
   rank - 2^k. ⌈lg p⌉ steps; ⌈lg p⌉α.
+
+Uneven blocks (``build_v``; c_j elements for rank j, T their sum, c the largest; any p, any root,
+blocks of 0 travel as zero-length messages) and prefixes. A step lasts as long as the largest
+message of its round: m_k below; Σ_k m_k is ((p-1)/p)T for equal blocks and up to (rounds)·c
+when one block dominates, since recursive doubling / halving moves a block in every round.
+allgatherv: allgather's recursive doubling (p a power of two) or dissemination distances over the
+  blocks of ``counts``, each kept at its place in ``out``; a message is a run of consecutive
+  ranks' blocks (two runs where it wraps past p). ⌈lg p⌉ steps; ⌈lg p⌉α + Σ_k m_k β; rank r
+  receives T - c_r elements in all.
+reduce_scatterv: reduce_scatter's fold and recursive halving, the halves split at participants'
+  block boundaries (a surviving even rank carries its odd partner's block). lg p' + 2[p≠p']
+  steps; (lg p' + 2[p≠p'])α + Σ_k m_k(β + γ) + [p≠p'](T + c_r)β + [p≠p']Tγ.
+gatherv: gather's binomial tree by blocks relative to the root, a subtree's blocks a run of
+  consecutive real blocks (two where they wrap past p). ⌈lg p⌉ steps; ⌈lg p⌉α + (T - c_root)β
+  at the root.
+scatterv: scatter's reverse binomial tree by blocks; an inner rank keeps its subtree's blocks
+  (relative order) in ``tmp``. ⌈lg p⌉ steps; ⌈lg p⌉α + (T - c_root)β at the root.
+alltoallv: alltoall's pairwise exchange (the same partners) sending C[r][q] and receiving
+  C[q][r]. p-1 steps (p rounds when p is not a power of two);
+  (p-1)α + Σ_q max(C[r][q], C[q][r])β at rank r.
+scan: recursive doubling (Hillis-Steele): in round k (d = 2^k < p) rank r sends its running
+  total, the reduction of in_{r-d+1..r} (clipped at 0), to r+d and receives r-d's, which it
+  reduces into its own; that total is the prefix itself (``out``). A received total lands in
+  ``tmp`` (the same step sends ``out``) and is reduced at the start of the next step; the first
+  one is reduced into ``out`` on arrival. ⌈lg p⌉ steps; ⌈lg p⌉(α + nβ + nγ).
+exscan: the same rounds, the prefix (``out``, in_0..in_{r-1}) and the running total (prefix op
+  in_r, in ``tmp``) kept apart: the first message is the prefix, each later one is reduced into
+  both (into the total only while it is still to be sent); rank 0 sends its input.
+  ⌈lg p⌉ steps; ⌈lg p⌉(α + nβ) + (2⌈lg p⌉ - 1)nγ at most.
 """
 from __future__ import annotations
 
@@ -388,3 +417,195 @@ _BUILDERS = {
     "allgather": _allgather_coll, "reduce_scatter": _reduce_scatter, "gather": _gather,
     "scatter": _scatter, "alltoall": _alltoall, "barrier": _barrier,
 }
+
+
+# ------------------------------------------------------------------ uneven blocks and prefixes
+
+def build_v(collective: str, rank: int, size: int, count: int, root: int, topology,
+            counts: Tuple[int, ...]) -> Schedule:
+    """The uneven collectives and the prefix reductions (module doc)."""
+    b = ScheduleBuilder(collective, ALGORITHM, rank, size, count, root, counts)
+    if size == 1:
+        # in and out are the whole call (T, or n); exscan's rank 0 result is undefined.
+        if collective != "exscan":
+            b.step(Copy(IN, 0, OUT, 0, count))
+        return b.build()
+    _V_BUILDERS[collective](b, tuple(counts))
+    return b.build()
+
+
+def _starts_v(counts: Sequence[int]) -> List[int]:
+    """Start offsets of the blocks of ``counts`` in rank order, plus the end (T)."""
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    return starts
+
+
+def _allgatherv(b: ScheduleBuilder, counts: Tuple[int, ...]) -> None:
+    rank, p = b.rank, b.size
+    starts = _starts_v(counts)
+    _allgather(b, rank, p, lambda i: i, starts, [Copy(IN, 0, OUT, starts[rank], counts[rank])])
+
+
+def _reduce_scatterv(b: ScheduleBuilder, counts: Tuple[int, ...]) -> None:
+    p, rank, total = b.size, b.rank, b.count
+    starts = _starts_v(counts)
+    f = _Fold(rank, p)
+    if f.extra:
+        b.step(Send(rank - 1, IN, 0, total))
+        b.step(Recv(rank - 1, OUT, 0, counts[rank]))
+        return
+    acc = b.alloc_tmp(total)
+    from_in = True
+    if f.folded:
+        b.step(Copy(IN, 0, TMP, acc, total), Recv(rank + 1, TMP, acc, total, True))
+        from_in = False
+    # Participant i owns the blocks of the ranks it stands for: [vrank(i), vrank(i+1)).
+    owned = [starts[f.vrank(i)] for i in range(f.p2)] + [total]
+    _halving(b, f, f.vrank, owned, TMP, acc, from_in)
+    mine = Copy(TMP, acc + starts[rank], OUT, 0, counts[rank])
+    if f.folded:
+        b.step(mine, Send(rank + 1, TMP, acc + starts[rank + 1], counts[rank + 1]))
+    else:
+        b.step(mine)
+
+
+def _gatherv(b: ScheduleBuilder, counts: Tuple[int, ...]) -> None:
+    p, root, rank = b.size, b.root, b.rank
+    vr = (rank - root) % p
+    real = lambda v: (v + root) % p
+    starts = _starts_v(counts)
+
+    def msgs(kind, peer, lo, cnt):   # relative blocks [lo, lo+cnt), placed at their real blocks
+        return [kind(peer, OUT, starts[a], starts[e] - starts[a])
+                for a, e in _wrapped(real(lo), cnt, p)]
+
+    subtree = min(_lowbit(vr), p - vr) if vr else p
+    if subtree == 1:   # a leaf sends its own block straight from ``in``
+        b.step(Send(real(vr - _lowbit(vr)), IN, 0, counts[rank]))
+        return
+    lead: List[Op] = [Copy(IN, 0, OUT, starts[rank], counts[rank])]
+    d = 1
+    while d < p:
+        if vr & d:
+            b.step(*lead, *msgs(Send, real(vr - d), vr, min(d, p - vr)))
+            return
+        if vr + d < p:
+            b.step(*lead, *msgs(Recv, real(vr + d), vr + d, min(d, p - vr - d)))
+            lead = []
+        d *= 2
+
+
+def _scatterv(b: ScheduleBuilder, counts: Tuple[int, ...]) -> None:
+    p, root, rank = b.size, b.root, b.rank
+    vr = (rank - root) % p
+    real = lambda v: (v + root) % p
+    starts = _starts_v(counts)
+
+    if vr == 0:
+        # The root sends straight from ``in`` (real block order).
+        def place(rel):
+            return IN, starts[real(rel)]
+        lead: List[Op] = [Copy(IN, starts[root], OUT, 0, counts[root])]
+        d = 1 << (_ceil_lg(p) - 1)
+    else:
+        parent = real(vr - _lowbit(vr))
+        subtree = min(_lowbit(vr), p - vr)
+        if subtree == 1:
+            b.step(Recv(parent, OUT, 0, counts[rank]))
+            return
+        # An inner rank keeps its subtree's blocks in relative order in tmp.
+        rel_starts = [0]
+        for v in range(vr, vr + subtree):
+            rel_starts.append(rel_starts[-1] + counts[real(v)])
+        tmp = b.alloc_tmp(rel_starts[-1])
+
+        def place(rel):
+            return TMP, tmp + rel_starts[rel - vr]
+        b.step(*_scatterv_msgs(Recv, parent, vr, subtree, p, root, starts, place))
+        lead = [Copy(TMP, tmp, OUT, 0, counts[rank])]
+        d = _lowbit(vr) // 2
+    while d:
+        if vr + d < p:
+            b.step(*lead, *_scatterv_msgs(Send, real(vr + d), vr + d, min(d, p - vr - d),
+                                          p, root, starts, place))
+            lead = []
+        d //= 2
+
+
+def _scatterv_msgs(kind, peer, lo, cnt, p, root, starts, place):
+    """``_scatter_msgs`` with uneven blocks: relative blocks [lo, lo+cnt), split where their real
+    blocks wrap past p; a piece is as long as the real blocks it covers."""
+    ops = []
+    for a, e in _wrapped((lo + root) % p, cnt, p):
+        buf, off = place((a - root) % p)
+        ops.append(kind(peer, buf, off, starts[e] - starts[a]))
+    return ops
+
+
+def _alltoallv(b: ScheduleBuilder, counts: Tuple[int, ...]) -> None:
+    p, rank = b.size, b.rank
+    rows = [counts[i * p:(i + 1) * p] for i in range(p)]
+    sent = _starts_v(rows[rank])                          # in: blocks by destination
+    got = _starts_v([rows[i][rank] for i in range(p)])    # out: blocks by source
+    lead: List[Op] = [Copy(IN, sent[rank], OUT, got[rank], rows[rank][rank])]
+    if _is_pow2(p):
+        partners = [rank ^ k for k in range(1, p)]
+    else:
+        partners = [q for q in ((k - rank) % p for k in range(p)) if q != rank]
+    for q in partners:
+        b.step(*lead, Send(q, IN, sent[q], rows[rank][q]), Recv(q, OUT, got[q], rows[q][rank]))
+        lead = []
+
+
+def _prefix_doubling(b: ScheduleBuilder, inclusive: bool) -> None:
+    """scan / exscan by recursive doubling (Hillis-Steele; module doc). In round k (d = 2^k)
+    rank r sends its running total x (in_{r-2d+1..r} after the round, clipped at 0) to r+d and
+    receives r-d's into tmp; what it received is reduced into x and into the prefix at the start
+    of its next step. scan: x is the prefix itself, in ``out``. exscan: the prefix (``out``,
+    in_{..r-1}) and x = prefix op in_r (``tmp``) are kept apart."""
+    p, r, n = b.size, b.rank, b.count
+    got = b.alloc_tmp(n) if r >= 2 else 0   # a message of round >= 1 (ranks 2.. receive one)
+    x: Tuple[str, int] = (IN, 0)            # where the running total lies
+    lead: List[Op] = [Copy(IN, 0, OUT, 0, n)] if inclusive else []
+    d = 1
+    while d < p:
+        ops: List[Op] = list(lead)
+        lead = []
+        sends = r + d < p
+        if sends:
+            ops.append(Send(r + d, x[0], x[1], n))
+        if r >= d:
+            if d == 1:
+                # The first message lands in out at once (no Send of this step reads out).
+                ops.append(Recv(r - 1, OUT, 0, n, inclusive))
+                if inclusive:
+                    x = (OUT, 0)
+            else:
+                ops.append(Recv(r - d, TMP, got, n))
+                lead.append(Reduce(TMP, got, OUT, 0, n))
+                if not inclusive and r + 2 * d < p:   # x is sent again
+                    lead.append(Reduce(TMP, got, TMP, x[1], n))
+        b.step(*ops)
+        if not inclusive and d == 1 and r >= 1 and r + 2 < p:
+            # x = in_{r-1} op in_r, formed before the next Send reads it
+            xo = b.alloc_tmp(n)
+            lead += [Copy(IN, 0, TMP, xo, n), Reduce(OUT, 0, TMP, xo, n)]
+            x = (TMP, xo)
+        d *= 2
+    if lead:
+        b.step(*lead)
+
+
+def _scan(b: ScheduleBuilder, counts: Tuple[int, ...]) -> None:
+    _prefix_doubling(b, True)
+
+
+def _exscan(b: ScheduleBuilder, counts: Tuple[int, ...]) -> None:
+    _prefix_doubling(b, False)
+
+
+_V_BUILDERS = {"allgatherv": _allgatherv, "gatherv": _gatherv, "scatterv": _scatterv,
+               "reduce_scatterv": _reduce_scatterv, "alltoallv": _alltoallv, "scan": _scan,
+               "exscan": _exscan}

@@ -29,6 +29,16 @@ barrier: a zero-length token goes from rank 0 round the ring back to rank 0 (the
   entered), and round again to release rank 1..p-2 (rank p-1 already learnt it on the first
   round). 2p-2 rounds, at most 4 steps per rank; (2p-2)α.
 
+Uneven blocks (``build_v``; c_j elements for rank j, T their sum, c the largest) and prefixes:
+allgatherv, gatherv, scatterv, reduce_scatterv: the rings and chains above over blocks of
+  c_j; every step is as long as its longest message: (p-1)α + (p-1)cβ (reduce_scatterv + (p-1)cγ).
+alltoallv: the pairwise shifts with C[r][r+k] sent and C[r-k][r] received at step k;
+  (p-1)α + Σ_k max(C[r][r+k], C[r-k][r])β at rank r.
+scan: a pipelined chain 0 -> 1 -> ... -> p-1 in S segments (as broadcast): rank r receives
+  in_0..in_{r-1}'s prefix, reduces its own into it and forwards it. (p+S-2)(α + (n/S)(β+γ)).
+exscan: the same chain; rank r keeps what it receives (the exclusive prefix) in ``out`` and
+  forwards it reduced with its own through ``tmp``; rank 0 sends its input. Same cost.
+
 Channels (``channels`` = k > 1; allreduce, allgather and reduce_scatter, whose every step sends
 and receives one chunk on both sides): NCCL's multi-ring. The data is split into k parts (each
 block's elements, for the blocked collectives), part c runs the 1-channel ring above over its
@@ -49,11 +59,14 @@ from ..schedule import (
     TMP,
     Copy,
     Recv,
+    Reduce,
     Schedule,
     ScheduleBuilder,
     Send,
+    blocks_of,
     chunk_bounds,
     concurrent,
+    matrix_of,
     servers,
 )
 
@@ -329,3 +342,119 @@ _BUILDERS = {
     "allgather": _allgather, "reduce_scatter": _reduce_scatter, "gather": _gather,
     "scatter": _scatter, "alltoall": _alltoall, "barrier": _barrier,
 }
+
+
+# ------------------------------------------------------------------ uneven blocks and prefixes
+def build_v(collective: str, rank: int, size: int, count: int, root: int, topology,
+            counts: Tuple[int, ...]) -> Schedule:
+    """The uneven collectives and the prefix reductions (module doc)."""
+    b = ScheduleBuilder(collective, "ring", rank, size, count, root, counts)
+    _V_BUILDERS[collective](b, rank, size, count, root, counts)
+    return b.build()
+
+
+def _allgatherv(b, rank, p, total, root, counts):
+    blocks = blocks_of(counts)
+    own = (Copy(IN, 0, OUT, blocks[rank][0], counts[rank]),)
+    if p == 1:
+        b.step(*own)
+        return
+    _allgather_ring(b, rank, p, blocks, own)
+
+
+def _gatherv(b, rank, p, total, root, counts):
+    blocks = blocks_of(counts)
+    if rank == root:
+        b.step(Copy(IN, 0, OUT, blocks[root][0], counts[root]))
+    if p > 1:
+        _gather_chain(b, rank, p, root, blocks, (IN, 0))
+
+
+def _scatterv(b, rank, p, total, root, counts):
+    blocks = blocks_of(counts)
+    right, left = (rank + 1) % p, (rank - 1) % p
+    rel = (rank - root) % p
+    if rel == 0:
+        b.step(Copy(IN, blocks[root][0], OUT, 0, counts[root]))
+        for k in range(p - 1):   # farthest block first, so the chain pipelines
+            b.step(Send(right, IN, *blocks[(root + p - 1 - k) % p]))
+        return
+    # message j is the block of distance p-1-j (own block last); forwarded ones alternate
+    # between two scratch slots as long as the largest of them
+    forwarded = p - 1 - rel
+    size = [counts[(root + p - 1 - j) % p] for j in range(forwarded + 1)]
+    width = max(size[:forwarded], default=0)
+    slots = b.alloc_tmp(min(2, forwarded) * width)
+    for j in range(forwarded + 1):
+        ops = []
+        if j > 0:
+            ops.append(Send(right, TMP, slots + (j - 1) % 2 * width, size[j - 1]))
+        ops.append(Recv(left, TMP, slots + j % 2 * width, size[j]) if j < forwarded
+                   else Recv(left, OUT, 0, size[j]))
+        b.step(*ops)
+
+
+def _reduce_scatterv(b, rank, p, total, root, counts):
+    blocks = blocks_of(counts)
+    if p == 1:
+        b.step(Copy(IN, 0, OUT, 0, counts[0]))
+        return
+    width = max(counts)
+    slots = b.alloc_tmp(min(2, p - 2) * width)
+
+    def acc(c, s):
+        return (OUT, 0) if s == p - 2 else (TMP, slots + (s % 2) * width)
+
+    _reduce_scatter_ring(b, rank, p, lambda c: counts[c], lambda c: blocks[c][0], acc)
+
+
+def _alltoallv(b, rank, p, total, root, counts):
+    rows = matrix_of(counts, p)
+    sent = blocks_of(rows[rank])
+    got = blocks_of([rows[i][rank] for i in range(p)])
+    b.step(Copy(IN, sent[rank][0], OUT, got[rank][0], rows[rank][rank]))
+    for k in range(1, p):
+        dst, src = (rank + k) % p, (rank - k) % p
+        b.step(Send(dst, IN, *sent[dst]), Recv(src, OUT, *got[src]))
+
+
+def _prefix_chain(b, rank, p, n, inclusive: bool) -> None:
+    """scan / exscan: the pipelined chain of the module doc."""
+    segs = chunk_bounds(n, max(1, -(-n // SEGMENT)))
+    if rank == 0:
+        for k, (o, ln) in enumerate(segs):
+            first = (Copy(IN, 0, OUT, 0, n),) if k == 0 and inclusive else ()
+            if p > 1:
+                b.step(*first, Send(1, IN, o, ln))
+            else:
+                b.step(*first)
+        return
+    last = rank == p - 1
+    fwd = b.alloc_tmp(n) if not inclusive and not last else 0
+    for k in range(len(segs) + 1):
+        ops = []
+        if k > 0:
+            o, ln = segs[k - 1]
+            if inclusive:       # out holds the prefix of 0..rank-1; add this rank's
+                ops.append(Reduce(IN, o, OUT, o, ln))
+                if not last:
+                    ops.append(Send(rank + 1, OUT, o, ln))
+            elif not last:      # out keeps the exclusive prefix; forward it with ours added
+                ops += [Copy(OUT, o, TMP, fwd + o, ln), Reduce(IN, o, TMP, fwd + o, ln),
+                        Send(rank + 1, TMP, fwd + o, ln)]
+        if k < len(segs):
+            ops.append(Recv(rank - 1, OUT, *segs[k]))
+        b.step(*ops)
+
+
+def _scan(b, rank, p, n, root, counts):
+    _prefix_chain(b, rank, p, n, True)
+
+
+def _exscan(b, rank, p, n, root, counts):
+    _prefix_chain(b, rank, p, n, False)
+
+
+_V_BUILDERS = {"allgatherv": _allgatherv, "gatherv": _gatherv, "scatterv": _scatterv,
+               "reduce_scatterv": _reduce_scatterv, "alltoallv": _alltoallv, "scan": _scan,
+               "exscan": _exscan}

@@ -42,6 +42,40 @@ alltoall: Bruck. Logical block i of rank r is the data for rank r+i; step k send
 barrier: zero-count messages up the binomial tree to rank 0 (gather), then down it (release).
     2L steps; 2Lα.
 
+Uneven blocks (``build_v``; c_j elements for rank j, T their sum, any of them 0; any p, any
+root) and prefixes. With every c_j = n the first four build exactly the schedules above.
+gatherv: the binomial gather above with each subtree's blocks (a run of relative ranks, so one
+    message of their total) staged in relative order at out[0:]; the root receives straight into
+    place, except a subtree whose blocks wrap past rank p-1 with elements on both sides, which
+    arrives in ``tmp`` and is copied in two pieces. L steps; Lα + (T - c_root)β.
+scatterv: the mirror (the binomial scatter above): the root sends each subtree its blocks as one
+    message (packing a wrapping range into ``tmp``), inner ranks stage theirs in ``tmp``.
+    L steps; Lα + (T - c_root)β.
+allgatherv: gatherv to rank 0 with every block at its final place in ``out``, then binomial
+    broadcast of all T elements. 2L steps; 2Lα + (T - c_0)β + LTβ.
+reduce_scatterv: binomial reduce of the whole T-vector to rank 0 (in ``tmp``), then scatterv of
+    its blocks from rank 0. 2L steps; 2Lα + LTβ + (T - c_0)β + LTγ. Assumes a commutative op.
+alltoallv: Bruck with uneven blocks. Slot i of rank r before step k holds the block from rank
+    s = r - (i mod 2^k) to rank s + i, C[s][s+i] elements, so every rank sizes every message
+    from the matrix; step k sends the slots whose i has bit k set to rank r+2^k in one message
+    (packed into ``tmp`` unless they already lie in one run; zero-size messages still go).
+    Each message arrives in a region of ``tmp`` of its own, where a block waits for its next
+    hop; a block on its last hop (i < 2^(k+1)) is copied to its place in ``out``. No rotations:
+    besides the packing, each block is copied once, to its place in ``out``. L steps;
+    Lα + Σ_k m_k β, m_k = Σ_{i: bit k} C[r-(i mod 2^k)][r-(i mod 2^k)+i] (the step-k message;
+    the block C[s][t] makes popcount((t-s) mod p) hops; even blocks: at most L·ceil(p/2)nβ).
+    ``tmp``: Σ_k (what arrives at step k) + the largest packed message.
+scan: recursive doubling by shifts (Hillis–Steele; the shifts of Bruck above): at step k
+    rank r sends its partial, in_{r-2^k+1} op .. op in_r, to rank r+2^k and reduces the one
+    from rank r-2^k into it (on arrival once it has nothing more to send; else through ``tmp``
+    at the start of the next step). Chosen over the binomial up-down
+    sweep (2L steps) for its L steps at no more than n per message. L steps;
+    L(α + nβ + nγ). Assumes a commutative op.
+exscan: the same shifts; out keeps the exclusive prefix (rank r-1's input at step 0, then
+    in_{r-2^k+1} .. in_{r-1}) and a partial in ``tmp``, out op in_r, is what is sent on, so a
+    rank that sends and receives reduces each arrival twice. Rank 0 only sends (its out is
+    undefined). L steps; L(α + nβ) + (2L-1)nγ. Assumes a commutative op.
+
 Channels (``channels`` = k > 1; allreduce only): NCCL's double binary tree. The servers (the
 ``topology``'s nodes, N of them) form two complementary binary trees: A, the in-order tree
 (``_inorder_tree``, whose leaves are its odd positions), and B, A with every server moved one
@@ -72,12 +106,15 @@ from ..schedule import (
     Copy,
     Op,
     Recv,
+    Reduce,
     Schedule,
     ScheduleBuilder,
     Send,
     Topology,
+    blocks_of,
     chunk_bounds,
     concurrent,
+    matrix_of,
     servers,
 )
 
@@ -452,3 +489,276 @@ def _double_tree_allreduce(b: ScheduleBuilder, rank: int, p: int, n: int,
             placed += [(t + D + d + 1, (Send(kid, OUT, off, m),)) for kid in kids]
     for st in concurrent(placed):
         b.step(*st)
+
+
+# --- uneven blocks and prefixes (module doc) ----------------------------------------------------
+
+def build_v(collective: str, rank: int, size: int, count: int, root: int, topology: Topology,
+            counts: Tuple[int, ...]) -> Schedule:
+    """The uneven collectives and the prefix reductions (module doc)."""
+    b = ScheduleBuilder(collective, ALGORITHM, rank, size, count, root, counts)
+    p = size
+    if collective in ("gatherv", "scatterv"):
+        (_gatherv if collective == "gatherv" else _scatterv)(b, rank, p, root, counts)
+    elif collective == "allgatherv":
+        _allgatherv(b, rank, p, counts)
+    elif collective == "reduce_scatterv":
+        _reduce_scatterv(b, rank, p, counts)
+    elif collective == "alltoallv":
+        _alltoallv(b, rank, p, counts)
+    elif collective == "scan":
+        _scan(b, rank, p, count)
+    elif collective == "exscan":
+        _exscan(b, rank, p, count)
+    else:
+        raise ValueError(f"unknown collective {collective!r}")
+    return b.build()
+
+
+def _virtual_offsets(counts: Sequence[int], root: int) -> List[int]:
+    """Prefix sums of the blocks in relative order (relative rank u is rank u + root): the
+    blocks of relative ranks [u, w) span vo[w] - vo[u] elements, vo[u] from relative rank 0's."""
+    p, vo = len(counts), [0]
+    for u in range(p):
+        vo.append(vo[-1] + counts[(u + root) % p])
+    return vo
+
+
+def _gatherv_up(v: int, p: int, vo: Sequence[int], peer, base: int) -> Steps:
+    """``_gather_up`` with uneven blocks: the subtree's blocks in relative order at out[base:],
+    then sent up as one message (v > 0); a leaf sends its ``in``."""
+    kids = _children(v, p)
+    up = peer(_parent(v))
+    if not kids:
+        return [[Send(up, IN, 0, vo[v + 1] - vo[v])]]
+    steps: Steps = [[Recv(peer(c), OUT, base + vo[c] - vo[v], vo[c + s] - vo[c])]
+                    for c, s in kids]
+    steps[0].insert(0, Copy(IN, 0, OUT, base, vo[v + 1] - vo[v]))
+    steps.append([Send(up, OUT, base, vo[v + _subtree(v, p)] - vo[v])])
+    return steps
+
+
+def _scatterv_down(v: int, p: int, vo: Sequence[int], peer, buf: str, base: int) -> Steps:
+    """``_scatter_down`` with uneven blocks: receive the subtree's blocks (relative order) at
+    buf[base:], keep block v in ``out``, pass each child its part (v > 0; a leaf receives its
+    block straight into ``out``)."""
+    kids = _children(v, p)
+    up = peer(_parent(v))
+    if not kids:
+        return [[Recv(up, OUT, 0, vo[v + 1] - vo[v])]]
+    steps: Steps = [[Recv(up, buf, base, vo[v + _subtree(v, p)] - vo[v])]]
+    steps += [[Send(peer(c), buf, base + vo[c] - vo[v], vo[c + s] - vo[c])]
+              for c, s in reversed(kids)]
+    steps[1].insert(0, Copy(buf, base, OUT, 0, vo[v + 1] - vo[v]))
+    return steps
+
+
+def _root_ranges(p: int, root: int, counts: Sequence[int], vo: Sequence[int]):
+    """For each child c of the root (nearest first): (c, its subtree's elements, where they lie
+    in the rank-ordered T-vector: [(offset, count)], one piece, or two when the subtree's ranks
+    wrap past p-1 with elements on both sides)."""
+    total = vo[p]
+    out = []
+    for c, s in _children(0, p):
+        a, m = (c + root) % p, vo[c + s] - vo[c]
+        start = sum(counts[:a])
+        head = total - start                       # the elements of ranks a .. p-1
+        if a + s <= p or m <= head:                # contiguous (maybe by empty blocks)
+            out.append((c, m, [(start, m)]))
+        elif head == 0:
+            out.append((c, m, [(0, m)]))
+        else:
+            out.append((c, m, [(start, head), (0, m - head)]))
+    return out
+
+
+def _gatherv(b, rank, p, root, counts):
+    v = (rank - root) % p
+    vo = _virtual_offsets(counts, root)
+
+    def peer(u: int) -> int:
+        return (u + root) % p
+
+    if v:
+        _emit(b, _gatherv_up(v, p, vo, peer, 0))
+        return
+    steps: Steps = []
+    fixup: List[Op] = []
+    for c, m, pieces in _root_ranges(p, root, counts, vo):
+        if len(pieces) == 1:
+            steps.append([Recv(peer(c), OUT, pieces[0][0], m)])
+        else:   # the wrapping range arrives in relative order in tmp, then goes in two pieces
+            t = b.alloc_tmp(m)
+            (a_off, head), (_, tail) = pieces
+            steps.append([Recv(peer(c), TMP, t, m)])
+            fixup = [Copy(TMP, t, OUT, a_off, head), Copy(TMP, t + head, OUT, 0, tail)]
+    _emit(b, steps, pre=[Copy(IN, 0, OUT, sum(counts[:root]), counts[root])])
+    b.step(*fixup)
+
+
+def _scatterv(b, rank, p, root, counts):
+    v = (rank - root) % p
+    vo = _virtual_offsets(counts, root)
+
+    def peer(u: int) -> int:
+        return (u + root) % p
+
+    if v:
+        kids = _children(v, p)
+        staging = b.alloc_tmp(vo[v + _subtree(v, p)] - vo[v]) if kids else 0
+        _emit(b, _scatterv_down(v, p, vo, peer, TMP, staging))
+        return
+    pack: List[Op] = [Copy(IN, sum(counts[:root]), OUT, 0, counts[root])]
+    steps: Steps = []
+    for c, m, pieces in reversed(_root_ranges(p, root, counts, vo)):
+        if len(pieces) == 1:
+            steps.append([Send(peer(c), IN, pieces[0][0], m)])
+        else:   # the wrapping range is packed into tmp in relative order
+            t = b.alloc_tmp(m)
+            (a_off, head), (_, tail) = pieces
+            pack += [Copy(IN, a_off, TMP, t, head), Copy(IN, 0, TMP, t + head, tail)]
+            steps.append([Send(peer(c), TMP, t, m)])
+    _emit(b, steps, pre=pack)
+
+
+def _allgatherv(b, r, p, counts):
+    total = sum(counts)
+    vo = _virtual_offsets(counts, 0)   # root 0: relative = absolute, vo = the block offsets
+    if p == 1:
+        b.step(Copy(IN, 0, OUT, 0, total))
+        return
+    if r == 0:   # blocks land at their final places; non-roots stage theirs there too
+        up: Steps = [[Recv(c, OUT, vo[c], vo[c + s] - vo[c])] for c, s in _children(0, p)]
+        up[0].insert(0, Copy(IN, 0, OUT, 0, counts[0]))
+    else:
+        up = _gatherv_up(r, p, vo, _same_rank, vo[r])
+    _emit(b, up + _bcast_down(r, p, _same_rank, OUT, 0, total))
+
+
+def _reduce_scatterv(b, r, p, counts):
+    total = sum(counts)
+    vo = _virtual_offsets(counts, 0)
+    if p == 1:
+        b.step(Copy(IN, 0, OUT, 0, total))
+        return
+    kids = _children(r, p)
+    acc = b.alloc_tmp(total) if kids else 0   # leaves neither accumulate nor forward blocks
+    steps = _reduce_up(r, p, _same_rank, TMP, acc, total)
+    if r == 0:
+        down: Steps = [[Send(c, TMP, acc + vo[c], vo[c + s] - vo[c])] for c, s in reversed(kids)]
+        down[0].insert(0, Copy(TMP, acc, OUT, 0, counts[0]))
+    else:
+        down = _scatterv_down(r, p, vo, _same_rank, TMP, acc + vo[r])
+    _emit(b, steps + down)
+
+
+def _alltoallv(b, r, p, counts):
+    """Bruck with uneven blocks (module doc). Slot i of rank x before step k holds the block
+    from rank s = x - (i mod 2^k) to rank s + i, C[s][s+i] elements, so every rank sizes every
+    message from the matrix."""
+    rows = matrix_of(counts, p)
+    sent = blocks_of(rows[r])
+    got = blocks_of([rows[i][r] for i in range(p)])
+    own = Copy(IN, sent[r][0], OUT, got[r][0], rows[r][r])
+    if p == 1:
+        b.step(own)
+        return
+
+    def size(x: int, k: int, i: int) -> int:
+        s = (x - i % (1 << k)) % p
+        return rows[s][(s + i) % p]
+
+    lg = _ceil_lg(p)
+    slots = [[i for i in range(1 << k, p) if i >> k & 1] for k in range(lg)]
+    incoming = [[size((r - (1 << k)) % p, k, i) for i in slots[k]] for k in range(lg)]
+    # every message arrives in a region of its own (a piece may wait there several steps), and
+    # pieces that are not one contiguous run already are packed into send_t, allocated last
+    recv_at = [b.alloc_tmp(sum(m)) for m in incoming]
+    send_t = b.tmp_count
+    packed = 0
+    where = {i: (IN, sent[(r + i) % p][0]) for i in range(1, p)}   # slot i's current piece
+    steps: List[List[Op]] = []
+    unpack: List[Op] = [own]
+    for k in range(lg):
+        d = 1 << k
+        pieces = [(*where[i], size(r, k, i)) for i in slots[k]]
+        total = sum(c for _, _, c in pieces)
+        run = [pc for pc in pieces if pc[2]]
+        if all(a[0] == z[0] and a[1] + a[2] == z[1] for a, z in zip(run, run[1:])):
+            pack: List[Op] = []        # one contiguous run (or nothing): sent where it lies
+            src = run[0][:2] if run else (TMP, send_t)
+        else:
+            pack, pos = [], 0
+            for buf, off, c in pieces:
+                pack.append(Copy(buf, off, TMP, send_t + pos, c))
+                pos += c
+            src, packed = (TMP, send_t), max(packed, total)
+        steps.append([*unpack, *pack, Recv((r - d) % p, TMP, recv_at[k], sum(incoming[k])),
+                      Send((r + d) % p, src[0], src[1], total)])
+        unpack, pos = [], recv_at[k]
+        for i, c in zip(slots[k], incoming[k]):
+            if i < 2 * d:      # its last hop: the block from rank r-i, to its place in out
+                unpack.append(Copy(TMP, pos, OUT, got[(r - i) % p][0], c))
+            else:
+                where[i] = (TMP, pos)
+            pos += c
+    steps.append(unpack)
+    b.alloc_tmp(packed)
+    for st in steps:
+        b.step(*st)
+
+
+def _scan(b, r, p, n):
+    """Inclusive prefix by shifts of 2^k (module doc): out holds in_{r-2^k+1} .. in_r."""
+    pending: List[Op] = [Copy(IN, 0, OUT, 0, n)]
+    x = b.alloc_tmp(n) if 0 < r < p - 1 else 0   # only a rank that sends and receives needs it
+    for k in range(_ceil_lg(p)):
+        d = 1 << k
+        ops: List[Op] = pending
+        pending = []
+        if r + d < p:
+            ops.append(Send(r + d, OUT, 0, n))
+            if r >= d:     # out is being sent: the partial waits in tmp for the next step
+                ops.append(Recv(r - d, TMP, x, n))
+                pending = [Reduce(TMP, x, OUT, 0, n)]
+        elif r >= d:       # nothing more to send: reduce on arrival
+            ops.append(Recv(r - d, OUT, 0, n, True))
+        b.step(*ops)
+    b.step(*pending)
+
+
+def _exscan(b, r, p, n):
+    """Exclusive prefix by shifts of 2^k (module doc): out (the exclusive prefix) holds
+    in_{r-2^k+1} .. in_{r-1}, and the partial P sent on holds in_r too. Rank 0 only sends."""
+    if r == 0:
+        for k in range(_ceil_lg(p)):
+            if 1 << k < p:
+                b.step(Send(1 << k, IN, 0, n))
+        return
+    sends_later = r + 2 < p                     # P is needed from step 1 on
+    part = b.alloc_tmp(n) if sends_later else 0
+    x = b.alloc_tmp(n) if sends_later and r >= 2 else 0
+    pending: List[Op] = []
+    for k in range(_ceil_lg(p)):
+        d = 1 << k
+        ops: List[Op] = pending
+        pending = []
+        if k == 0:
+            ops.append(Recv(r - 1, OUT, 0, n))  # out = in_{r-1}
+            if r + 1 < p:
+                ops.append(Send(r + 1, IN, 0, n))
+            b.step(*ops)
+            continue
+        if k == 1 and r + d < p:
+            ops += [Copy(IN, 0, TMP, part, n), Reduce(OUT, 0, TMP, part, n)]
+        if r + d < p:
+            ops.append(Send(r + d, TMP, part, n))
+            if r >= d:
+                ops.append(Recv(r - d, TMP, x, n))
+                pending = [Reduce(TMP, x, OUT, 0, n)]
+                if r + 2 * d < p:
+                    pending.append(Reduce(TMP, x, TMP, part, n))
+        elif r >= d:
+            ops.append(Recv(r - d, OUT, 0, n, True))
+        b.step(*ops)
+    b.step(*pending)

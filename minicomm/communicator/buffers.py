@@ -120,3 +120,24 @@ REDUCING = frozenset({"allreduce", "reduce", "reduce_scatter"})     # the ones t
 RESULT_AT_ROOT = frozenset({"reduce", "gather"})   # the other ranks get None (and a scratch out)
 EMPTY = np.empty(0, dtype=np.uint8)    # barrier's buffers (never written: zero elements)
 MISS = object()     # the fast path's answer when a call is not its case: the general path runs it
+
+
+META_WORDS = 16                     # an array's dtype and shape as int64 words (encode_meta)
+
+
+def encode_meta(dtype: np.dtype, shape: Tuple[int, ...]) -> np.ndarray:
+    """A block's dtype and shape as ``META_WORDS`` int64 words (ValueError: too many dims)."""
+    if len(shape) > META_WORDS - 3:
+        raise ValueError(f"arrays of more than {META_WORDS - 2} dimensions are not supported")
+    m = np.zeros(META_WORDS, dtype=np.int64)
+    code = np.dtype(dtype).str.encode().ljust(8, b"\0")
+    m[0] = np.frombuffer(code, dtype=np.int64)[0]
+    m[1] = len(shape)
+    m[2:2 + len(shape)] = shape
+    return m
+
+
+def decode_meta(m: np.ndarray) -> Tuple[np.dtype, Tuple[int, ...]]:
+    dtype = np.dtype(m[:1].tobytes().rstrip(b"\0").decode())
+    nd = int(m[1])
+    return dtype, tuple(int(v) for v in m[2:2 + nd])

@@ -20,7 +20,7 @@ from ..cost import LinkModel, choose, innet_time, model_costs
 from ..errors import CommError, pack_call
 from ..executor import Plan, run_plan
 from ..flightrecord import ENDED
-from ..schedule import ROOTED
+from ..schedule import PREFIX, ROOTED, UNEVEN
 from ..settings import env_flag
 from ..smallpath import SMALL_SPIN_S, compile_small, eligible, straight_line
 from ..trace import tracing_enabled
@@ -34,6 +34,12 @@ from .switchlink import BUSY, OK, SwitchRefused, operation_bytes
 SMALL_OFF = not env_flag("MINICOMM_SMALL_PATH", True)
 HOT_TMP_BYTES = 64 << 10        # a hot call keeps its own scratch up to this size
 CACHE_ENTRIES = 1024            # signatures (calls, plans, fingerprints) a communicator keeps
+# auto prices an uneven or prefix call as its even counterpart with the same bytes per block
+# (the total over size ** k): (even collective, k)
+PRICED_AS = {"allgatherv": ("allgather", 1), "gatherv": ("gather", 1),
+             "scatterv": ("scatter", 1), "reduce_scatterv": ("reduce_scatter", 1),
+             "alltoallv": ("alltoall", 2), "scan": ("allreduce", 0),
+             "exscan": ("allreduce", 0)}
 new_tag = tuple.__new__         # Tag(...) without the namedtuple's Python-level __new__
 
 
@@ -120,6 +126,10 @@ class CallPlans:
             fam = self._algo_env.get(coll)
             if fam == "innet" and self._innet_refused:
                 fam = None            # the switch declined it: the model chooses a host family
+            if fam is None and coll in PRICED_AS:
+                even, per = PRICED_AS[coll]
+                return choose(even, self.size, nbytes // self.size ** per, self.topology,
+                              self.link_model)
             if fam is None:
                 fam = choose(coll, self.size, nbytes, self.topology, self.link_model)
                 return "innet" if self._innet_pays(coll, fam, nbytes, count, itemsize) else fam
@@ -162,8 +172,8 @@ class CallPlans:
         host = model_costs(coll, self.size, nbytes, self.topology, m)[fam]
         return innet_time(coll, self.size, nbytes, m, self.num_nodes == 1) < host
 
-    def _plan(self, coll: str, algo: str, count: int, root: int) -> Plan:
-        key = (coll, algo, count, root)
+    def _plan(self, coll: str, algo: str, count: int, root: int, counts: tuple = ()) -> Plan:
+        key = (coll, algo, count, root, counts)
         plan = self._plans.get(key)
         if plan is None and algo == "innet":     # one switch above the group (switch.py)
             sched = innet.build(coll, self.rank, self.size, count, root, (0,) * self.size,
@@ -172,7 +182,10 @@ class CallPlans:
         if plan is None:
             channels = self.channels if algo in ("ring", "tree") else 1
             topo = self.topology if algo == "hier" or channels > 1 else None
-            sched = build_schedule(coll, algo, self.rank, self.size, count, root, topo, channels)
+            if coll in UNEVEN or coll in PREFIX:
+                channels, topo = 1, self.topology
+            sched = build_schedule(coll, algo, self.rank, self.size, count, root, topo, channels,
+                                   counts)
             plan = self._plans.put(key, Plan(sched, self.group))
         return plan
 
@@ -192,26 +205,29 @@ class CallPlans:
         return buf[:count]
 
     def _prepare(self, coll: str, op: str, algorithm, dtype: np.dtype, count: int,
-                 root: int) -> Call:
+                 root: int, counts: tuple = ()) -> Call:
         """The ``Call`` of a signature, bound on its first call (module doc): calls repeat, and
-        choosing, packing and plan lookup cost more than a small message."""
-        key = (coll, op, algorithm, dtype, count, root)
+        choosing, packing and plan lookup cost more than a small message. ``counts``: an
+        uneven collective's blocks (schedule.py's doc)."""
+        key = (coll, op, algorithm, dtype, count, root, counts) if counts else \
+            (coll, op, algorithm, dtype, count, root)
         c = self._calls.get(key)
         if c is None:
-            c = self._calls.put(key, self._bind_call(coll, op, algorithm, dtype, count, root))
+            c = self._calls.put(key, self._bind_call(coll, op, algorithm, dtype, count, root,
+                                                     counts))
         return c
 
     def _bind_call(self, coll: str, op: str, algorithm, dtype: np.dtype, count: int,
-                   root: int) -> Call:
+                   root: int, counts: tuple = ()) -> Call:
         algo = self._resolve_algorithm(coll, algorithm, count * dtype.itemsize, count,
                                        dtype.itemsize)
-        plan = self._plan(coll, algo, count, root)
+        plan = self._plan(coll, algo, count, root, counts)
         rooted = coll in ROOTED
         # the label is what wait_all names in errors (they add the step and the call's number)
         c = Call(coll, algo, pack_call(coll, op, algo, dtype, root if rooted else -1), plan,
                  _ops.get_kernel(op) if op != "none" else None, f"{coll} ({algo})",
                  algorithm not in (None, "auto"), count)
-        c.key = (coll, op, algorithm, dtype, count, root)
+        c.key = (coll, op, algorithm, dtype, count, root) + ((counts,) if counts else ())
         if rooted:
             c.root = root
         # through the switch's link: no small path, no hot path
@@ -226,9 +242,10 @@ class CallPlans:
             c.tmp, c.alias0 = np.empty(plan.tmp_count, dtype=dtype), plan.alias_safe(0)
         # no result here: barrier, and reduce and gather off the root (they get None and
         # write a scratch output of out_count elements)
-        c.no_result = LAYOUT[coll] == NONE or (coll in RESULT_AT_ROOT and self.rank != root)
-        c.out_count = 0 if LAYOUT[coll] == NONE else count * self.size \
-            if LAYOUT[coll] == STACKED else count
+        layout = LAYOUT.get(coll)     # None: an uneven or prefix call (never on the fast path)
+        c.no_result = layout == NONE or (coll in RESULT_AT_ROOT and self.rank != root)
+        c.out_count = 0 if layout == NONE else count * self.size \
+            if layout == STACKED else count
         c.separate = coll != "broadcast" or self.rank == root   # a non-root never reads its x
         c.avg = op == _ops.AVG and not c.no_result     # the division, where there is a result
         return c

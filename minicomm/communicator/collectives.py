@@ -337,18 +337,25 @@ class Collectives:
                 return y
         return self._general("gather", x, "none", algorithm, root, out, async_op)
 
-    def reduce_scatter(self, x, op="sum", algorithm="auto", out=None, async_op=False):
+    def reduce_scatter(self, x, op="sum", algorithm="auto", out=None, async_op=False,
+                       counts=None):
         """Reduce ``x`` of shape ``(size, *s)`` over all ranks with ``op``; rank r gets block r.
+
+        With ``counts`` the blocks are uneven: ``x`` has ``sum(counts)`` rows and rank r gets
+        the ``counts[r]`` rows that follow the earlier ranks' (MPI_Reduce_scatter).
 
         Args:
             x (np.ndarray): This rank's blocks, of shape ``(size, *s)`` (every rank the same shape
-                and dtype).
+                and dtype); with ``counts``, of shape ``(sum(counts), *s)``.
             op (str): "sum", "prod", "min", "max", "avg", "band", "bor" or "bxor" (avg on
                 floating and complex dtypes only; the bitwise ops on integer and bool ones).
             algorithm (str): "auto" (the α-β model's choice, or ``MINICOMM_ALGO``) or a family:
                 "ring", "tree", "rhd" or "hier".
-            out (np.ndarray | None): The result array, of shape ``s``.
+            out (np.ndarray | None): The result array, of shape ``s`` (with ``counts``:
+                ``(counts[rank], *s)``).
             async_op (bool): Return a ``Work`` at once; its ``wait()`` returns the result.
+            counts (Sequence[int] | None): Rows of the result per rank (the same on every
+                rank).
 
         Returns:
             (np.ndarray | Work): The reduced block of shape ``s`` (or ``out``); a ``Work`` with
@@ -364,6 +371,8 @@ class Collectives:
             >>> comm.reduce_scatter(np.ones((comm.size, 4)))
             array([2., 2., 2., 2.])
         """
+        if counts is not None:
+            return self._reduce_scatterv(x, op, counts, algorithm, out, async_op)
         if not async_op:
             y = self._fast("reduce_scatter", op, algorithm, 0, x, out)
             if y is not MISS:

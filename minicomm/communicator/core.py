@@ -20,15 +20,19 @@ from .objects import ObjectCollectives
 from .observe import Observability
 from .pointtopoint import PointToPoint
 from .scatter import ScatterHeader
+from .uneven import UnevenCollectives
 
 
-class Communicator(Collectives, ScatterHeader, ObjectCollectives, PointToPoint, Groups,
+class Communicator(Collectives, UnevenCollectives, ScatterHeader, ObjectCollectives,
+                   PointToPoint, Groups,
                    FaultTolerance, Observability, RegisteredBuffers, CallPlans, Fingerprints,
                    Buffers, Lifecycle):
     """A group of ranks that run collectives together. Create with ``mc.spawn`` or ``mc.init``.
 
     Its methods: the collectives (``allreduce``, ``reduce``, ``broadcast``, ``allgather``,
-    ``gather``, ``reduce_scatter``, ``alltoall``, ``scatter``, ``barrier``), their object forms,
+    ``gather``, ``reduce_scatter``, ``alltoall``, ``scatter``, ``barrier``), the uneven and
+    prefix ones (``allgatherv``, ``gatherv``, ``scatterv``, ``alltoallv``, ``scan``,
+    ``exscan``), their object forms,
     point-to-point (``send``, ``recv``, ``isend``, ``irecv``), ``split``, ``window``,
     registered buffers (``empty``, ``register``, ``free``), fault tolerance (``revoke``,
     ``shrink``, ``agree``, ``failed_ranks``), observing (``dump_flight_record``, ``stats``,

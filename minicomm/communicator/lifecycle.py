@@ -46,7 +46,8 @@ get_ident = threading.get_ident
 USER_COLLECTIVES = frozenset((
     "allreduce", "reduce", "broadcast", "allgather", "gather", "reduce_scatter", "alltoall",
     "scatter", "barrier", "split", "window", "broadcast_object", "allgather_object",
-    "gather_object", "scatter_object", "agree", "shrink", "monitored_barrier"))
+    "gather_object", "scatter_object", "agree", "shrink", "monitored_barrier", "allgatherv",
+    "gatherv", "scatterv", "alltoallv", "scan", "exscan"))
 SEQUENCE_NUMBER = re.compile(r"\bcall #(\d+)")
 DUMPED_ERRORS = (CommTimeout, PeerFailure, MismatchError)   # the flight record is dumped on them
 

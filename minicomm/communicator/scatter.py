@@ -20,12 +20,11 @@ import numpy as np
 from ..errors import CommError, pack_call
 from ..smallpath import SMALL_SPIN_S
 from ..transports.base import Tag
-from .buffers import MISS
+from .buffers import META_WORDS, MISS, decode_meta, encode_meta
 from .cache import BoundedCache
 from .calls import Call, new_tag
 
 SCATTER_META = "scatter:meta"       # the header exchange's name (errors.COLLECTIVE_CODES)
-META_WORDS = 16
 HEADER_WORDS = 3 + META_WORDS       # a header row: fingerprint, then dtype and shape
 NO_CLAIM = np.zeros(HEADER_WORDS, dtype=np.int64)   # ... of a rank that takes the root's word
 NO_CLAIM.flags.writeable = False
@@ -36,24 +35,6 @@ HEADER_PLANS = 256                  # header plans (and decoded headers) a commu
 def scatter_header_call(root: int) -> int:
     """The packed call in a scatter header's tag: scatter and its root, no dtype (module doc)."""
     return pack_call(SCATTER_META, "none", "none", None, root)
-
-
-def encode_meta(dtype: np.dtype, shape: Tuple[int, ...]) -> np.ndarray:
-    """A block's dtype and shape as ``META_WORDS`` int64 words (ValueError: too many dims)."""
-    if len(shape) > META_WORDS - 3:
-        raise ValueError(f"arrays of more than {META_WORDS - 2} dimensions are not supported")
-    m = np.zeros(META_WORDS, dtype=np.int64)
-    code = np.dtype(dtype).str.encode().ljust(8, b"\0")
-    m[0] = np.frombuffer(code, dtype=np.int64)[0]
-    m[1] = len(shape)
-    m[2:2 + len(shape)] = shape
-    return m
-
-
-def decode_meta(m: np.ndarray) -> Tuple[np.dtype, Tuple[int, ...]]:
-    dtype = np.dtype(m[:1].tobytes().rstrip(b"\0").decode())
-    nd = int(m[1])
-    return dtype, tuple(int(v) for v in m[2:2 + nd])
 
 
 class HeaderPlan(NamedTuple):

@@ -12,19 +12,33 @@ nothing below the launcher does.
 from __future__ import annotations
 
 import os
+import random
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 
 from ..algorithms import FAMILIES, build_schedule, hier, innet, ring, tree
-from ..schedule import COLLECTIVES, ROOTED
+from ..schedule import ALL_COLLECTIVES, PREFIX, ROOTED, UNEVEN
 from ..verifier import verify
 
 EXHAUSTIVE_UP_TO = 16    # world sizes verified with every root, count and node map
 PROVABLE = FAMILIES + ("innet",)   # innet: switches included (verified when named)
 CHANNEL_COUNTS = (2, 3, 8)   # even, odd, and a DGX server's NICs
 TREE_CHANNEL_COUNTS = (2, 3, 16)   # one pair of trees, an odd count, two trees per DGX NIC
+UNEVEN_MAX_WORLD = 32    # the uneven collectives are proved up to this world size
+
+
+def count_vectors(collective: str, p: int):
+    """The uneven collectives' blocks: all zero, one non-zero, ascending, random with zeros
+    (seeded by p), one huge; alltoallv's as p x p matrices of the same kinds, row-major."""
+    rng = random.Random(p)
+    k = p * p if collective == "alltoallv" else p
+    return [tuple([0] * k),
+            tuple(5 if i == k // 2 else 0 for i in range(k)),
+            tuple(i % 5 for i in range(k)),
+            tuple(rng.choice((0, 0, 1, 3, 7)) for _ in range(k)),
+            tuple(1000 if i == 0 else 1 for i in range(k))]
 
 
 def topologies_for(p: int, exhaustive: bool = False):
@@ -58,13 +72,14 @@ def short_segments():
     """hier's pipeline segments, the double binary tree's and innet's chunks cut at 2 elements,
     so that the small counts verified take the pipelined paths of large calls (same code, more
     pieces)."""
-    saved = hier.PIPELINE_MIN_SEGMENT, tree.TREE_MIN_CHUNK, innet.CHUNK_SCALE
+    saved = hier.PIPELINE_MIN_SEGMENT, tree.TREE_MIN_CHUNK, innet.CHUNK_SCALE, ring.SEGMENT
     build_schedule.cache_clear()
-    hier.PIPELINE_MIN_SEGMENT = tree.TREE_MIN_CHUNK = innet.CHUNK_SCALE = 2
+    hier.PIPELINE_MIN_SEGMENT = tree.TREE_MIN_CHUNK = innet.CHUNK_SCALE = ring.SEGMENT = 2
     try:
         yield
     finally:
-        hier.PIPELINE_MIN_SEGMENT, tree.TREE_MIN_CHUNK, innet.CHUNK_SCALE = saved
+        (hier.PIPELINE_MIN_SEGMENT, tree.TREE_MIN_CHUNK, innet.CHUNK_SCALE,
+         ring.SEGMENT) = saved
         build_schedule.cache_clear()
 
 
@@ -79,6 +94,8 @@ def verify_cell(args):
     coll, fam, p, all_roots = args
     if fam == "innet":
         return _verify_innet_cell(coll, p, all_roots)
+    if coll in UNEVEN or coll in PREFIX:
+        return _verify_uneven_cell(coll, fam, p, all_roots)
     cases = 0
     roots = roots_for(p, all_roots) if coll in ROOTED else [0]
     topos = topologies_for(p, all_roots) if fam == "hier" else [None]
@@ -110,6 +127,38 @@ def verify_cell(args):
     except Exception as e:   # reported in the matrix, with the failing case
         build_schedule.cache_clear()
         return coll, fam, p, cases, (f"p={p} topology={topo} channels={k} count={n} root={root}: "
+                                     f"{type(e).__name__}: {e}")
+
+
+def _verify_uneven_cell(coll: str, fam: str, p: int, all_roots: bool):
+    """An uneven collective's cell over ``count_vectors`` (a prefix reduction's over counts,
+    its pipelined chain cut short too), roots and, for hier, node maps; p <= UNEVEN_MAX_WORLD."""
+    if p > UNEVEN_MAX_WORLD:
+        return coll, fam, p, 0, None
+    cases = 0
+    roots = roots_for(p, all_roots) if coll in ROOTED else [0]
+    topos = topologies_for(p, all_roots) if fam == "hier" else [None]
+    vectors = ([((), n) for n in counts_for(p, all_roots)] if coll in PREFIX
+               else [(v, sum(v)) for v in count_vectors(coll, p)])
+    topo, v, root = None, (), 0
+    try:
+        for topo in topos:
+            for v, n in vectors:
+                for root in roots:
+                    verify([build_schedule(coll, fam, r, p, n, root, topo, 1, v)
+                            for r in range(p)])
+                    cases += 1
+        if coll in PREFIX:
+            with short_segments():
+                for topo in topos:
+                    for n in pipelined_counts(p):
+                        verify([build_schedule(coll, fam, r, p, n, 0, topo) for r in range(p)])
+                        cases += 1
+        build_schedule.cache_clear()
+        return coll, fam, p, cases, None
+    except Exception as e:   # reported in the matrix, with the failing case
+        build_schedule.cache_clear()
+        return coll, fam, p, cases, (f"p={p} topology={topo} counts={list(v)[:16]} root={root}: "
                                      f"{type(e).__name__}: {e}")
 
 
@@ -145,10 +194,11 @@ def run_matrix(max_world: int = 64, all_roots: bool = False, jobs: int = 0, out=
                collectives=None, families=None) -> bool:
     """Verify every cell of the algorithm matrix; print it; True if every cell passes."""
     out = out or sys.stdout
-    colls = list(collectives or COLLECTIVES)
+    colls = list(collectives or ALL_COLLECTIVES)
     fams = list(families or FAMILIES)
     # a misspelt name is the caller's mistake, not a cell that fails its proof
-    for kind, names, known in (("collective", colls, COLLECTIVES), ("algorithm", fams, PROVABLE)):
+    for kind, names, known in (("collective", colls, ALL_COLLECTIVES),
+                               ("algorithm", fams, PROVABLE)):
         bad = [x for x in names if x not in known]
         if bad:
             raise ValueError(f"unknown {kind} {', '.join(map(repr, bad))}; choose from "

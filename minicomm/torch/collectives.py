@@ -13,8 +13,7 @@ import numpy as np
 import torch
 
 from ..communicator import Communicator
-from ..errors import MismatchError
-from .tensors import FlatView, np_dtype, pack, pieces, put, stack, unpack
+from .tensors import FlatView, np_dtype, pack, put, stack, unpack
 
 Op = Tuple[object, object]          # (minicomm op, PREMUL_SUM factor or None)
 Layout = Tuple[List[int], int]      # (rows per rank, elements per row)
@@ -63,10 +62,17 @@ def reduce(comm: Communicator, tensors: Sequence[torch.Tensor], root: int,
 
 def allgather(comm: Communicator, outputs: Sequence[Sequence[torch.Tensor]],
               inputs: Sequence[torch.Tensor]) -> None:
+    """Tensors of one size per list as one allgather; of several sizes as one allgatherv (the
+    outputs' sizes are every rank's counts)."""
     for o, i in zip(outputs, inputs):
-        rows = comm.allgather(FlatView(i).array)
-        for t, row in zip(o, rows):
-            put(t, row)
+        sizes = [t.numel() for t in o]
+        if len(set(sizes)) == 1:
+            rows = comm.allgather(FlatView(i).array)
+            for t, row in zip(o, rows):
+                put(t, row)
+            continue
+        flat = comm.allgatherv(FlatView(i).array, counts=sizes)
+        unpack(flat, o)
 
 
 def all_gather_single(comm: Communicator, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -100,32 +106,32 @@ def reduce_scatter_single(comm: Communicator, output: torch.Tensor, input: torch
 def all_to_all_single(comm: Communicator, output: torch.Tensor, input: torch.Tensor,
                       layouts: Optional[Tuple[Layout, Layout]]) -> None:
     """``layouts`` None: equal splits, one alltoall. Else the (output, input) layouts, each
-    (rows per rank, elements per row): pairwise messages (``exchange``)."""
+    (rows per rank, elements per row): one alltoallv, the receive counts known (no exchange:
+    a rank whose splits disagree with a peer's meets a block of another length, a
+    MismatchError)."""
     size = comm.size
     bi = FlatView(input)
     bo = FlatView(output, load=False)
     if layouts is None:
         comm.alltoall(bi.array.reshape(size, -1), out=bo.array.reshape(size, -1))
     else:
-        (out_splits, out_row), (in_splits, in_row) = layouts
-        exchange(comm, pieces(bi.array, in_splits, in_row),
-                 pieces(bo.array, out_splits, out_row), "all_to_all_single")
+        (out_splits, row), (in_splits, _) = layouts
+        comm.alltoallv(bi.array, [s * row for s in in_splits],
+                       recv_counts=[s * row for s in out_splits], out=bo.array)
     bo.store()
 
 
 def alltoall(comm: Communicator, outputs: Sequence[torch.Tensor],
              inputs: Sequence[torch.Tensor]) -> None:
-    """Tensors of one size as one alltoall; of several sizes as pairwise messages."""
+    """Tensors of one size as one alltoall; of several sizes as one alltoallv."""
     if len({t.numel() for t in list(outputs) + list(inputs)}) == 1:
         rows = comm.alltoall(stack(inputs, np_dtype(inputs[0])))
         for t, row in zip(outputs, rows):
             put(t, row)
         return
-    send = [FlatView(t).array for t in inputs]
-    bufs = [FlatView(t, load=False) for t in outputs]
-    exchange(comm, send, [b.array for b in bufs], "alltoall")
-    for b in bufs:
-        b.store()
+    flat = comm.alltoallv(pack(inputs, np_dtype(inputs[0])), [t.numel() for t in inputs],
+                          recv_counts=[t.numel() for t in outputs])
+    unpack(flat, outputs)
 
 
 def gather(comm: Communicator, outputs: Sequence[torch.Tensor], input: torch.Tensor,
@@ -138,9 +144,13 @@ def gather(comm: Communicator, outputs: Sequence[torch.Tensor], input: torch.Ten
 
 def scatter(comm: Communicator, output: torch.Tensor, inputs: Sequence[torch.Tensor],
             root: int) -> None:
+    """One scatterv: the root's inputs may differ in size."""
     bo = FlatView(output, load=False)
-    block = stack(inputs, np_dtype(output)) if comm.rank == root else None
-    comm.scatter(block, root=root, out=bo.array)
+    if comm.rank == root:
+        counts = [t.numel() for t in inputs]
+        comm.scatterv(pack(inputs, np_dtype(output)), counts, root=root, out=bo.array)
+    else:
+        comm.scatterv(None, None, root=root, out=bo.array)
     bo.store()
 
 
@@ -150,26 +160,3 @@ def barrier(comm: Communicator) -> None:
 
 def nothing(comm: Communicator) -> None:
     """The body of a work that only marks a place in the order (the end of coalescing)."""
-
-
-def exchange(comm: Communicator, send: Sequence[np.ndarray], recv: Sequence[np.ndarray],
-             what: str) -> None:
-    """Uneven all-to-all on ``comm``'s point-to-point context (worker thread only): every pair
-    exchanges one message, zero-length ones included, so a rank that expects a different size
-    than its peer sends is a MismatchError. Any failure breaks the communicator (this is a
-    collective: its messages must never be matched by a later one)."""
-    me, size = comm.rank, comm.size
-    try:
-        recvs = [comm.irecv(j, 0, out=recv[j]) for j in range(size)]
-        sends = [comm.isend(send[(me + k) % size], (me + k) % size, 0) for k in range(size)]
-        for w in sends:
-            w.wait()
-        for j, w in enumerate(recvs):
-            try:
-                w.wait()
-            except (ValueError, TypeError) as e:
-                raise MismatchError(f"{what}: rank {j} sent a block this rank did not expect "
-                                    f"(its split sizes disagree with ours): {e}") from None
-    except BaseException as e:
-        comm.abort(f"{what} failed: {type(e).__name__}: {e}")
-        raise

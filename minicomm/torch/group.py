@@ -56,6 +56,7 @@ from .validate import (
     check_root,
     check_rooted_list,
     check_same,
+    check_sizes,
     check_splits,
     check_tag,
     check_tensor,
@@ -343,7 +344,7 @@ class MinicommProcessGroup(dist.ProcessGroup):
         if len(outputs) != len(inputs):
             raise ValueError(f"allgather: {len(outputs)} output lists for {len(inputs)} inputs")
         for o, i in zip(outputs, inputs):
-            check_same(o, i, "allgather")
+            check_sizes(o, self.rank(), i, "allgather")     # sizes may differ: allgatherv
         return self._launch("allgather", [t for o in outputs for t in o],
                             collectives.allgather, outputs, inputs, opts=opts)
 
@@ -633,7 +634,7 @@ class MinicommProcessGroup(dist.ProcessGroup):
         outputs = check_list(output_tensors, "scatter", 1)
         root = check_root(opts.rootRank, self.size(), "scatter")
         ins = check_rooted_list(input_tensors, self.rank(), root, self.size(), outputs[0],
-                                "scatter", "input")
+                                "scatter", "input", uneven=True)
         return self._launch("scatter", outputs, collectives.scatter, outputs[0], ins, root,
                             opts=opts)
 

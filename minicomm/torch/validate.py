@@ -72,9 +72,10 @@ def check_root(root: int, size: int, what: str) -> int:
 
 
 def check_rooted_list(lists, me: int, root: int, size: int, ref: torch.Tensor, what: str,
-                      side: str) -> List[torch.Tensor]:
+                      side: str, uneven: bool = False) -> List[torch.Tensor]:
     """gather's outputs / scatter's inputs: the root passes one list of ``size`` tensors shaped
-    like ``ref``, the other ranks pass none. Returns the root's list ([] elsewhere)."""
+    like ``ref`` (``uneven``: of its dtype, any sizes, the root's own of ``ref``'s size), the
+    other ranks pass none. Returns the root's list ([] elsewhere)."""
     if me != root:
         if any(len(x) for x in lists):
             raise ValueError(f"{what}: only the root passes {side} tensors")
@@ -82,8 +83,22 @@ def check_rooted_list(lists, me: int, root: int, size: int, ref: torch.Tensor, w
     if len(lists) != 1:
         raise ValueError(f"{what}: the root passes one list of {side} tensors")
     ts = check_list(lists[0], what, size)
-    check_same(ts, ref, what)
+    if uneven:
+        check_sizes(ts, me, ref, what)
+    else:
+        check_same(ts, ref, what)
     return ts
+
+
+def check_sizes(ts: Sequence[torch.Tensor], me: int, ref: torch.Tensor, what: str) -> None:
+    """Uneven blocks: every tensor of ``ts`` has ``ref``'s dtype, and this rank's its size."""
+    for t in ts:
+        if t.dtype != ref.dtype:
+            raise ValueError(f"{what}: every tensor must be {ref.dtype} (the input's), got "
+                             f"{t.dtype}")
+    if ts[me].numel() != ref.numel():
+        raise ValueError(f"{what}: this rank's tensor has {ts[me].numel()} elements, its "
+                         f"input {ref.numel()}")
 
 
 def check_splits(t: torch.Tensor, splits, size: int, which: str) -> Tuple[List[int], int]:
