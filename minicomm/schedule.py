@@ -538,9 +538,10 @@ def busbw_factor(collective: str, n: int) -> float:
         raise ValueError("world size must be positive")
     if collective == "allreduce":
         return 2.0 * (n - 1) / n
-    if collective in ("reduce_scatter", "allgather", "alltoall", "gather", "scatter"):
+    if collective in ("reduce_scatter", "allgather", "alltoall", "gather", "scatter") \
+            or collective in UNEVEN:
         return (n - 1) / n
-    if collective in ("broadcast", "reduce"):
+    if collective in ("broadcast", "reduce") or collective in PREFIX:
         return 1.0
     if collective == "barrier":
         return 0.0

@@ -146,3 +146,63 @@ def test_async_and_out():
         assert w.wait() is out
         return out.tolist()
     assert mc.spawn(f, 2, transport="inproc") == [[0.0, 1.0, 1.0]] * 2
+
+
+# ------------------------------------------------------------------ priced and benchmarked
+def test_skewed_counts_sum_and_favour_the_same_ranks():
+    from minicomm.sim.engine import skewed_counts
+    row = skewed_counts("allgatherv", 1 << 20, 8, skew=1.0)
+    assert sum(row) == (1 << 20) // 4 and len(row) == 8
+    assert max(row) / (sum(row) / 8) == pytest.approx(8 / sum(1 / k for k in range(1, 9)),
+                                                       rel=0.01)
+    assert skewed_counts("allgatherv", 4096, 8, skew=0.0) == (128,) * 8
+    m = skewed_counts("alltoallv", 1 << 20, 4, skew=2.0)
+    assert len(m) == 16 and m[:4] == m[4:8] == m[8:12] == m[12:]
+
+
+def test_the_simulator_prices_a_skewed_alltoallv_by_its_hottest_destination():
+    """A hot expert's rank receives most: the call takes at least that rank's bytes over its
+    link, and a skew of 0 is faster."""
+    from minicomm.sim import presets
+    from minicomm.sim.engine import simulate, skewed_counts
+    topo = presets.get_topology("dgx-h100", nodes=2)
+    p = topo.endpoints
+    hot = skewed_counts("alltoallv", 64 << 20, p, skew=1.0)
+    even = skewed_counts("alltoallv", 64 << 20, p, skew=0.0)
+    r_hot = simulate("alltoallv", "ring", topo, counts=hot)
+    r_even = simulate("alltoallv", "ring", topo, counts=even)
+    column = max(sum(hot[i * p + j] for i in range(p)) for j in range(p)) * 4
+    nic = topo.nic_link.bandwidth
+    assert r_hot.time_s >= column / 2 / nic        # at least half of it crosses the NICs
+    assert r_hot.time_s > 2 * r_even.time_s
+
+
+def test_minicomm_sim_takes_the_uneven_collectives():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "minicomm.cli", "sim", "--topology", "dgx-h100",
+                          "--nodes", "2", "--collective", "alltoallv", "--sizes", "1M",
+                          "--algorithms", "ring,rhd", "--skew", "1.5", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    import json
+    rows = json.loads(out.stdout)
+    assert {r["algorithm"] for r in rows} == {"ring", "rhd"}
+    assert all(r["time_s"] > 0 and r["collective"] == "alltoallv" for r in rows)
+
+
+def test_the_bench_runs_the_uneven_collectives_and_checks_them(tmp_path):
+    import json
+    import subprocess
+    import sys
+    path = tmp_path / "bench.json"
+    out = subprocess.run([sys.executable, "-m", "minicomm.cli", "bench", "allgatherv,alltoallv",
+                          "--sizes", "64K", "-n", "2", "--transport", "shm", "--algorithms",
+                          "ring,tree", "--batches", "1", "--iters", "3", "--json", str(path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(path.read_text())["rows"]
+    seen = {(r["collective"], r["algo"]) for r in rows if r["time_us"] and r["ip_time_us"] is None}
+    assert {("allgatherv", "ring"), ("allgatherv", "tree"), ("alltoallv", "ring"),
+            ("alltoallv", "tree")} <= seen, rows
+    assert all(r["wrong"] == 0 for r in rows)

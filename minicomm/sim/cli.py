@@ -32,9 +32,16 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..algorithms import FAMILIES
-from ..schedule import COLLECTIVES
+from ..schedule import ALL_COLLECTIVES, UNEVEN
 from . import ps_model
-from .engine import ScheduleError, SimResult, busbw_factor, innet_runs_on, simulate
+from .engine import (
+    ScheduleError,
+    SimResult,
+    busbw_factor,
+    innet_runs_on,
+    simulate,
+    skewed_counts,
+)
 from .presets import INTERCONNECTS, get_topology, link, sharp_settings, topologies
 from .topology import Topology
 from .units import describe_link, format_size, format_time, parse_size, parse_sizes, size_units
@@ -53,7 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "launch latency per call; tuning.cc's table) instead of one latency per "
                         "link class")
     p.add_argument("--collective", default=None,
-                   help=f"one of {', '.join(COLLECTIVES)} (default: allreduce)")
+                   help=f"one of {', '.join(ALL_COLLECTIVES)} (default: allreduce)")
+    p.add_argument("--skew", type=float, default=1.0, metavar="S",
+                   help="the uneven collectives' blocks: Zipf exponent of their sizes over the "
+                        "ranks (0: equal; alltoallv: every rank's rows favour the same hot "
+                        "destinations, as a mixture-of-experts layer's; default %(default)s)")
     p.add_argument("--sizes", default=None,
                    help="A:B (x2 steps) or a comma list, e.g. 1K:1G or 1MiB,64MiB,1GB "
                         "(default 1K:1G; with --architecture ps: 1G)")
@@ -104,7 +115,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # question)
 _USES = {
     "sweep": ("--sizes", "--algorithms", "--collective", "--root", "--plot", "--exact",
-              "--trace", "--channels"),
+              "--trace", "--channels", "--skew"),
     "--compare-interconnects": ("--sizes", "--algorithms", "--collective", "--root", "--exact",
                                 "--channels"),
     "--architecture ps": ("--sizes", "--model-bytes", "--servers", "--algorithms"),
@@ -121,7 +132,8 @@ def _given(a) -> Dict[str, bool]:
             "--collective": a.collective not in (None, "allreduce"),
             "--root": a.root is not None, "--plot": a.plot is not None, "--exact": a.exact,
             "--trace": getattr(a, "trace", None) is not None,
-            "--channels": getattr(a, "channels", None) is not None}
+            "--channels": getattr(a, "channels", None) is not None,
+            "--skew": getattr(a, "skew", 1.0) != 1.0}
 
 
 def check_arguments(a) -> Optional[str]:
@@ -214,8 +226,9 @@ def _main(a) -> int:
     topo = _topology(a)
     a.collective = a.collective or "allreduce"
     a.root = a.root or 0
-    if a.collective not in COLLECTIVES:
-        raise ValueError(f"unknown collective {a.collective!r}; choose one of {', '.join(COLLECTIVES)}")
+    if a.collective not in ALL_COLLECTIVES:
+        raise ValueError(f"unknown collective {a.collective!r}; choose one of "
+                         f"{', '.join(ALL_COLLECTIVES)}")
     if a.validate:
         return _validate(a)
     if a.explain:
@@ -242,7 +255,7 @@ def _main(a) -> int:
             raise ValueError("--trace needs the minicomm command (minicomm sim ... --trace FILE)")
         timeline = new_timeline()
     results = sweep(topo, a.collective, sizes, algos, root=a.root, exact=a.exact,
-                    timeline=timeline, channels=a.channels)
+                    timeline=timeline, channels=a.channels, skew=a.skew)
     if a.json:
         print(json.dumps([r.to_dict() for r in results], indent=1))
     else:
@@ -263,14 +276,17 @@ def _main(a) -> int:
 
 def sweep(topo: Topology, collective: str, sizes: Sequence[int], algos: Sequence[str],
           root: int = 0, exact: bool = False, timeline=None,
-          channels: Optional[int] = None) -> List[SimResult]:
+          channels: Optional[int] = None, skew: float = 1.0) -> List[SimResult]:
     """Every size x algorithm, simulated (each call's steps added to ``timeline``, if given;
-    ``channels``: the ring's, default the topology's)."""
+    ``channels``: the ring's, default the topology's; ``skew``: an uneven collective's blocks,
+    ``skewed_counts``)."""
     out = []
     for s in sizes:
+        counts = (skewed_counts(collective, s, topo.endpoints, skew)
+                  if collective in UNEVEN else None)
         for algo in algos:
             out.append(simulate(collective, algo, topo, nbytes=s, root=root, exact=exact,
-                                timeline=timeline,
+                                timeline=timeline, counts=counts,
                                 channels=channels if algo in ("ring", "tree") else None))
     return out
 

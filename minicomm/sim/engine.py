@@ -64,7 +64,9 @@ import numpy as np
 
 from ..algorithms import CHANNELLED_FAMILIES, family, innet, meshdims, ring
 from ..schedule import (
-    COLLECTIVES,
+    ALL_COLLECTIVES,
+    PREFIX,
+    UNEVEN,
     Copy,
     Recv,
     Reduce,
@@ -106,6 +108,23 @@ def count_for_bytes(collective: str, nbytes: int, p: int, itemsize: int = 4) -> 
         return 0
     per = nbytes // itemsize // (p if collective in BLOCKED else 1)
     return max(1, per)
+
+
+def skewed_counts(collective: str, nbytes: int, p: int, skew: float = 1.0,
+                  itemsize: int = 4, seed: int = 0) -> Tuple[int, ...]:
+    """An uneven collective's blocks for ``nbytes`` (allgatherv, gatherv: the whole output;
+    scatterv, reduce_scatterv: the whole input; alltoallv: each rank's input), Zipf-skewed:
+    block j gets a share (k+1)^-skew, k its place in one seeded order of the ranks (0: equal
+    blocks). alltoallv's rows all favour the same destinations: the hot experts of a
+    mixture-of-experts layer, whose ranks receive most."""
+    order = np.random.default_rng(seed).permutation(p)
+    w = np.empty(p)
+    w[order] = (np.arange(p) + 1.0) ** -float(skew)
+    total = max(0, int(nbytes)) // itemsize
+    share = np.floor(w / w.sum() * total).astype(np.int64)
+    share[order[0]] += total - int(share.sum())          # the remainder to the hottest
+    row = tuple(int(c) for c in share)
+    return row * p if collective == "alltoallv" else row
 
 
 def bytes_for_count(collective: str, count: int, p: int, itemsize: int = 4) -> int:
@@ -508,11 +527,13 @@ def _channelled_ring(collective: str, p: int, count: int, node_map: Tuple[int, .
 
 def program_for(collective: str, algorithm: str, p: int, count: int, root: int = 0,
                 node_map: Optional[Tuple[int, ...]] = None, exact: bool = False,
-                channels: int = 1) -> Program:
+                channels: int = 1, counts: Tuple[int, ...] = ()) -> Program:
     """The compiled schedules of one call (cached); ``channels``: ring's (ring.py) or tree's
-    (tree.py: the double binary tree)."""
-    if collective not in COLLECTIVES:
-        raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
+    (tree.py: the double binary tree); ``counts``: an uneven collective's blocks
+    (schedule.py's doc; every rank's schedule is built, no symmetry shortcut)."""
+    if collective not in ALL_COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; choose one of "
+                         f"{', '.join(ALL_COLLECTIVES)}")
     if p < 1:
         raise ValueError(f"world size must be >= 1, got {p}")
     if not 0 <= root < p:
@@ -525,17 +546,23 @@ def program_for(collective: str, algorithm: str, p: int, count: int, root: int =
     fam = family(algorithm)       # raises ValueError for an unknown algorithm
     if channels != 1 and fam not in CHANNELLED_FAMILIES:
         raise ValueError(f"channels={channels}: only the ring and tree families take channels")
-    channels = (fam.used_channels(collective, p, count, channels) if fam in CHANNELLED_FAMILIES
-                else 1)
-    key = (collective, algorithm, p, count, root, node_map, exact, channels)
+    v = collective in UNEVEN or collective in PREFIX
+    channels = (fam.used_channels(collective, p, count, channels)
+                if fam in CHANNELLED_FAMILIES and not v else 1)
+    counts = tuple(counts)
+    key = (collective, algorithm, p, count, root, node_map, exact, channels, counts)
     prog = _programs.get(key)
     if prog is not None:
         _programs.move_to_end(key)
         return prog
 
     def build(r: int) -> Schedule:
-        s = (fam.build(collective, r, p, count, root, node_map, channels) if channels > 1
-             else fam.build(collective, r, p, count, root, node_map))
+        if v:
+            s = fam.build_v(collective, r, p, count, root, node_map, counts)
+        elif channels > 1:
+            s = fam.build(collective, r, p, count, root, node_map, channels)
+        else:
+            s = fam.build(collective, r, p, count, root, node_map)
         if s.algorithm != algorithm or s.collective != collective:
             raise ScheduleError(f"{algorithm}.build returned a {s.algorithm} {s.collective} schedule")
         return s
@@ -544,7 +571,7 @@ def program_for(collective: str, algorithm: str, p: int, count: int, root: int =
     prog = None
     if not exact and channels > 1 and fam is ring and p >= SYMMETRY_MIN_RANKS:
         prog = _channelled_ring(collective, p, count, node_map, channels)
-    elif not exact and p >= SYMMETRY_MIN_RANKS:
+    elif not exact and not v and p >= SYMMETRY_MIN_RANKS:
         prog = _try_symmetry(build, p, node_map)
     if prog is None:
         prog = _assemble([_rank_arrays(build(r).steps, p, r) for r in range(p)], p)
@@ -960,8 +987,10 @@ def _by_kind(fab: Fabric, link_bytes: np.ndarray) -> Dict[str, float]:
     return {k: float(tot[i]) for i, k in enumerate(fab.kinds)}
 
 
-def _result(collective, algorithm, topo, fab, p, count, itemsize, prog, stats, wall):
-    nbytes = bytes_for_count(collective, count, p, itemsize)
+def _result(collective, algorithm, topo, fab, p, count, itemsize, prog, stats, wall,
+            nbytes=None):
+    if nbytes is None:
+        nbytes = bytes_for_count(collective, count, p, itemsize)
     t = stats.time_s
     algbw = nbytes / t / 1e9 if t > 0 else 0.0
     busy = stats.link_bytes / fab.capacity
@@ -988,7 +1017,8 @@ def simulate(collective: str, algorithm: str, topo: Topology, nbytes: Optional[i
              *, count: Optional[int] = None, ranks: Optional[int] = None, root: int = 0,
              itemsize: int = 4, placement: Optional[Sequence[int]] = None,
              exact: bool = False, timeline: Optional[Any] = None,
-             channels: Optional[int] = None) -> SimResult:
+             channels: Optional[int] = None, counts: Optional[Sequence[int]] = None
+             ) -> SimResult:
     """Predict one call of ``collective`` with family ``algorithm`` on ``topo``.
 
     ``nbytes`` is the nccl-tests size (the whole buffer, see ``count_for_bytes``), or give the
@@ -998,7 +1028,9 @@ def simulate(collective: str, algorithm: str, topo: Topology, nbytes: Optional[i
     NCCL's; one tree). ``mesh`` (algorithms/meshdims.py, not a runtime family) runs along the
     topology's full-mesh dimensions (``Topology.mesh_shape``). ``timeline``: the
     call's modelled steps go to ``timeline.add`` (``minicomm.trace.SimulatedTrace``: the
-    simulator hands it ``timeline.modelled_steps`` and imports nothing of it)."""
+    simulator hands it ``timeline.modelled_steps`` and imports nothing of it). ``counts``: an
+    uneven collective's blocks (their sum is the call's count; its size, the bytes a rank
+    moves on average: the total over p, the matrix's over p for alltoallv)."""
     t0 = time.perf_counter()
     if placement is None:
         pl = default_placement(topo, ranks)
@@ -1009,6 +1041,13 @@ def simulate(collective: str, algorithm: str, topo: Topology, nbytes: Optional[i
         if len(np.unique(pl)) != len(pl):
             raise ValueError("placement puts two ranks on one accelerator")
     p = len(pl)
+    size = None
+    if collective in UNEVEN:
+        if counts is None:
+            raise TypeError(f"{collective} needs counts (its blocks)")
+        counts = tuple(int(c) for c in counts)
+        count = sum(counts)
+        size = count * itemsize // (1 if collective in ("allgatherv", "gatherv") else p)
     if count is None:
         if nbytes is None:
             raise TypeError("give nbytes or count")
@@ -1022,15 +1061,16 @@ def simulate(collective: str, algorithm: str, topo: Topology, nbytes: Optional[i
                               timeline, t0)
     if channels is None:
         channels = default_channels(algorithm, topo)
-    prog = program_for(collective, algorithm, p, int(count), root, node_map, exact, channels)
+    prog = program_for(collective, algorithm, p, int(count), root, node_map, exact, channels,
+                       tuple(counts or ()))
     fab = Fabric(topo)
     coarse = not exact and prog.messages >= LARGE_PROGRAM_MESSAGES
     stats = run_program(prog, topo, pl, itemsize, fab,
                         LARGE_PROGRAM_RESOLUTION if coarse else RESOLUTION, algorithm=algorithm)
     res = _result(collective, algorithm, topo, fab, p, int(count), itemsize, prog, stats,
-                  time.perf_counter() - t0)
+                  time.perf_counter() - t0, size)
     fam = family(algorithm)
-    if fam in CHANNELLED_FAMILIES:
+    if fam in CHANNELLED_FAMILIES and collective not in UNEVEN and collective not in PREFIX:
         res.channels = fam.used_channels(collective, p, int(count), channels)
     if timeline is not None:
         timeline.add(collective, algorithm, int(count), itemsize, stats.time_s,

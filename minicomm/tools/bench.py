@@ -50,13 +50,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..algorithms import FAMILIES
+from ..schedule import matrix_of
 from .benchspec import (
+    BENCHED,
     COLLECTIVES,
     DTYPES,
     NCCL_TYPE,
     OPS,
     REDUCING,
     ROOTED,
+    UNEVEN,
     BenchConfig,
     BenchError,
     Buffers,
@@ -81,10 +84,12 @@ class MinicommRunner:
     def describe(self, case: Case) -> str:
         if self.algorithm != "auto":
             return self.algorithm
+        if case.collective == "alltoallv":
+            return "auto>ring"            # recv_counts given: a pairwise family (uneven.py)
         return "auto>" + self.comm._resolve_algorithm(case.collective, None, case.call_nbytes)
 
     def supports(self, collective: str, inplace: bool) -> bool:
-        return True
+        return not (inplace and collective in UNEVEN)
 
     def prepare(self, b: Buffers, inplace: bool, op: str, root: int) -> Call:
         comm, a, coll = self.comm, self.algorithm, b.case.collective
@@ -127,6 +132,14 @@ class MinicommRunner:
             f = lambda: comm.alltoall(x, algorithm=a, out=out2)  # noqa: E731
         elif coll == "barrier":
             f = lambda: comm.barrier(algorithm=a)  # noqa: E731
+        elif coll == "allgatherv":        # the counts given, as MPI_Allgatherv takes them
+            counts = b.case.counts
+            f = lambda: comm.allgatherv(src, counts=counts, algorithm=a, out=dst)  # noqa: E731
+        elif coll == "alltoallv":         # both counts given, as MPI_Alltoallv takes them
+            rows = matrix_of(b.case.counts, n)
+            send, recv = list(rows[r]), [row[r] for row in rows]
+            f = lambda: comm.alltoallv(src, send, recv_counts=recv,  # noqa: E731
+                                       algorithm=a, out=dst)
         else:
             raise ValueError(coll)
         return Call(f, comm.barrier, b.default_result(inplace))
@@ -553,7 +566,7 @@ def run_in_launched_job(cfg: BenchConfig, tune_path=_NO_TUNE):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("collective", nargs="?", default="allreduce",
-                   help=f"one of {', '.join(COLLECTIVES)}; a comma list; 'all'; or 'pushpull' "
+                   help=f"one of {', '.join(BENCHED)}; a comma list; 'all'; or 'pushpull' "
                         f"(parameter server vs allreduce vs p2p, see minicomm.tools.pushpull_bench)")
     p.add_argument("--servers", type=int, default=2,
                    help="pushpull: parameter servers (workers: -n minus this, default 2)")

@@ -10,16 +10,24 @@ import dataclasses
 import os
 import shutil
 import sys
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..algorithms import FAMILIES
-from ..schedule import busbw_factor  # noqa: F401  (re-exported: bench and its tests use it)
+from ..schedule import (
+    busbw_factor,  # noqa: F401  (re-exported: bench and its tests use it)
+    call_buffer_counts,
+    matrix_of,
+)
+from ..sim.engine import skewed_counts
 from ..transports.bytecopy import page_aligned
 
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "allgather", "gather", "scatter",
                "reduce_scatter", "alltoall", "barrier")
+UNEVEN = ("allgatherv", "alltoallv")    # blocks skewed by ``SKEW`` (sim.engine.skewed_counts)
+BENCHED = COLLECTIVES + UNEVEN          # 'all' is COLLECTIVES
+SKEW = 1.0                              # Zipf: the hottest block about p / ln p times the mean
 REDUCING = ("allreduce", "reduce", "reduce_scatter")
 BLOCKED_IN = ("reduce_scatter", "scatter", "alltoall")    # input is n blocks of `count`
 BLOCKED_OUT = ("allgather", "gather", "alltoall")         # output is n blocks of `count`
@@ -76,8 +84,18 @@ def size_steps(minbytes: int, maxbytes: int, factor: float = 2.0, step: int = 0)
 class Case:
     collective: str
     n: int
-    count: int        # elements per rank block (what the call's own count is)
+    count: int        # elements per rank block (what the call's own count is); uneven: all
     dtype: str
+    counts: Tuple[int, ...] = ()     # uneven: the blocks (alltoallv: the p x p matrix)
+
+    def in_count_at(self, rank: int) -> int:
+        """Elements of ``rank``'s input (every rank alike but for the uneven collectives)."""
+        return call_buffer_counts(self.collective, rank, self.n, self.count, self.counts)[0] \
+            if self.counts else self.in_count
+
+    def out_count_at(self, rank: int) -> int:
+        return call_buffer_counts(self.collective, rank, self.n, self.count, self.counts)[1] \
+            if self.counts else self.out_count
 
     @property
     def itemsize(self) -> int:
@@ -93,7 +111,12 @@ class Case:
 
     @property
     def size(self) -> int:
-        """nccl-tests' size column: bytes of the larger of the two buffers."""
+        """nccl-tests' size column: bytes of the larger of the two buffers (allgatherv: its
+        output; alltoallv: a rank's input, every rank sending as much)."""
+        if self.collective == "allgatherv":
+            return self.count * self.itemsize
+        if self.collective == "alltoallv":
+            return self.count // self.n * self.itemsize
         return max(self.in_count, self.out_count) * self.itemsize
 
     @property
@@ -104,9 +127,18 @@ class Case:
 
 def make_cases(collective: str, sizes: Sequence[int], n: int, dtype: str) -> List[Case]:
     """Round each size down to whole elements (whole blocks of n for blocked collectives, at least
-    one element per block), dropping duplicates; barrier has one size, 0."""
+    one element per block), dropping duplicates; barrier has one size, 0; the uneven ones cut
+    each size into ``SKEW``-skewed blocks."""
     if collective == "barrier":
         return [Case(collective, n, 0, dtype)]
+    if collective in UNEVEN:
+        out = []
+        for s in sizes:
+            counts = skewed_counts(collective, s, n, SKEW, np.dtype(dtype).itemsize)
+            case = Case(collective, n, sum(counts), dtype, counts)
+            if case not in out:
+                out.append(case)
+        return out
     item = np.dtype(dtype).itemsize
     per = item * (n if collective in BLOCKED_IN + BLOCKED_OUT else 1)
     counts: List[int] = []
@@ -173,6 +205,12 @@ def expected_result(case: Case, op: str, rank: int, root: int) -> Optional[np.nd
             np.empty(0, dtype=dt)
     if coll == "barrier":
         return None
+    if coll == "allgatherv":
+        return np.concatenate([pattern(op, dt, j, 0, k) for j, k in enumerate(case.counts)])
+    if coll == "alltoallv":
+        rows = matrix_of(case.counts, n)
+        return np.concatenate([pattern(op, dt, i, sum(rows[i][:rank]), rows[i][rank])
+                               for i in range(n)])
     raise ValueError(coll)
 
 
@@ -197,11 +235,12 @@ class Buffers:
         dt, c = case.dtype, case.count
         coll = case.collective
         # alloc: page-aligned heap memory, or comm.empty for registered buffers (``--registered``)
-        self.send = alloc(case.in_count, dtype=dt)
-        self.recv = alloc(case.out_count, dtype=dt)
-        self.ip = alloc(max(case.in_count, case.out_count), dtype=dt)
+        n_in, n_out = case.in_count_at(rank), case.out_count_at(rank)
+        self.send = alloc(n_in, dtype=dt)
+        self.recv = alloc(n_out, dtype=dt)
+        self.ip = alloc(max(n_in, n_out), dtype=dt)
         src = root if coll in ("broadcast", "scatter") else rank
-        self._send_init = pattern(op, dt, src, 0, case.in_count)
+        self._send_init = pattern(op, dt, src, 0, n_in)
         self._ip_init = np.zeros(self.ip.size, dtype=dt)
         if coll in ("allgather", "gather"):
             self._ip_init[rank * c:(rank + 1) * c] = pattern(op, dt, rank, 0, c)
@@ -268,10 +307,10 @@ class BenchConfig:
     registered: bool = False    # buffers from comm.empty (registered memory), for every library
 
     def validate(self) -> None:
-        bad = [c for c in self.collectives if c not in COLLECTIVES]
+        bad = [c for c in self.collectives if c not in BENCHED]
         if bad or not self.collectives:
             raise BenchError(f"unknown collective {', '.join(bad) or '(none)'}; choose from "
-                             f"{', '.join(COLLECTIVES)} or 'all'")
+                             f"{', '.join(BENCHED)} or 'all'")
         bad = [a for a in self.algorithms if a not in FAMILIES + ("innet", "auto")]
         if bad or not self.algorithms:
             raise BenchError(f"unknown algorithm {', '.join(bad) or '(none)'}; choose from "

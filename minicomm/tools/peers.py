@@ -31,9 +31,11 @@ from typing import List
 
 import numpy as np
 
+from ..schedule import matrix_of
 from .benchspec import (  # noqa: F401
     GLOO_OPS,
     MPI_OPS,
+    UNEVEN,
     BenchConfig,
     BenchError,
     Buffers,
@@ -73,7 +75,7 @@ class MpiRunner:
         return "mpi"
 
     def supports(self, collective: str, inplace: bool) -> bool:
-        return True
+        return not (inplace and collective in UNEVEN)
 
     def prepare(self, b: Buffers, inplace: bool, op: str, root: int) -> Call:
         MPI, c, o = self.MPI, self.c, self.mpi_op
@@ -122,6 +124,13 @@ class MpiRunner:
             f = (lambda: c.Alltoall(IP, ip)) if inplace else (lambda: c.Alltoall(send, recv))
         elif coll == "barrier":
             f = c.Barrier
+        elif coll == "allgatherv":
+            counts = list(b.case.counts)
+            f = lambda: c.Allgatherv(send, [recv, counts])  # noqa: E731
+        elif coll == "alltoallv":
+            rows = matrix_of(b.case.counts, c.size)
+            scounts, rcounts = list(rows[r]), [row[r] for row in rows]
+            f = lambda: c.Alltoallv([send, scounts], [recv, rcounts])  # noqa: E731
         else:
             raise ValueError(coll)
         return Call(f, c.Barrier, result)
@@ -170,7 +179,7 @@ class GlooRunner:
         return "gloo"
 
     def supports(self, collective: str, inplace: bool) -> bool:
-        return not (collective == "alltoall" and inplace)
+        return not (collective == "alltoall" and inplace) and collective not in UNEVEN
 
     def prepare(self, b: Buffers, inplace: bool, op: str, root: int) -> Call:
         torch, dist, red = self.torch, self.dist, self.red
