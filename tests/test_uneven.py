@@ -206,3 +206,23 @@ def test_the_bench_runs_the_uneven_collectives_and_checks_them(tmp_path):
     assert {("allgatherv", "ring"), ("allgatherv", "tree"), ("alltoallv", "ring"),
             ("alltoallv", "tree")} <= seen, rows
     assert all(r["wrong"] == 0 for r in rows)
+
+
+@pytest.mark.parametrize("transport", ["rdma", "ub"])
+def test_the_one_sided_transports_too(transport):
+    n = mc.spawn(_check_all, 3, args=(11, "float64", ("ring", "rhd", "auto")),
+                 transport=transport, nodes=3, timeout=60)
+    assert n[0] > 20
+
+
+def test_small_uneven_calls_take_the_small_path_on_shm():
+    def f(comm):
+        counts = (1, 0, 2)
+        el = tuple(counts)
+        c = comm._prepare("allgatherv", "none", "ring", np.dtype("float32"), sum(el), 0, el)
+        got = comm.allgatherv(np.full(counts[comm.rank], comm.rank, dtype=np.float32),
+                              counts=counts)
+        return c.small is not None, got.tolist()
+    res = mc.spawn(f, 3, transport="shm")
+    assert all(small for small, _ in res)
+    assert all(got == [0.0, 2.0, 2.0] for _, got in res)
