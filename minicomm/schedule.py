@@ -352,9 +352,12 @@ class ScheduleBuilder:
             >>> len(b.steps)
             0
         """
-        kept = tuple(o for o in ops if isinstance(o, (Send, Recv)) or o.count > 0)
-        if kept:
-            self.steps.append(kept)
+        for o in ops:
+            if o.count <= 0 and o.__class__ is not Send and o.__class__ is not Recv:
+                ops = tuple(o for o in ops if isinstance(o, (Send, Recv)) or o.count > 0)
+                break
+        if ops:
+            self.steps.append(ops)
 
     def extend(self, steps: Iterable[Step]) -> None:
         """Append steps (each through ``step``), e.g. those ``embed`` made.

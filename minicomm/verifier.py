@@ -31,7 +31,6 @@ from .schedule import (
     TMP,
     Copy,
     Recv,
-    Reduce,
     Schedule,
     Send,
     blocks_of,
@@ -96,14 +95,20 @@ def _check_structure(s: Schedule, participants: int) -> None:
             raise VerificationError(f"{where}: writes the caller's input buffer")
         return (buf, off, cnt)
 
+    me = s.rank
     for i, step in enumerate(s.steps):
         reads, writes = [], []   # communication regions of this step
         for o in step:
-            if isinstance(o, (Send, Recv)):
-                if not (0 <= o.peer < participants) or o.peer == s.rank:
-                    raise VerificationError(f"rank {s.rank} step {i}: bad peer {o.peer} in {o}")
-                r = region(o.buf, o.offset, o.count, i, isinstance(o, Recv))
-                (writes if isinstance(o, Recv) else reads).append((r, o))
+            cls = o.__class__
+            if cls is Send or cls is Recv:
+                peer, buf, off, cnt = o.peer, o.buf, o.offset, o.count
+                if not (0 <= peer < participants) or peer == me:
+                    raise VerificationError(f"rank {me} step {i}: bad peer {peer} in {o}")
+                size = sizes.get(buf, -1)
+                if not (0 <= off and 0 <= cnt and off + cnt <= size) or \
+                        (cls is Recv and buf == IN):
+                    region(buf, off, cnt, i, cls is Recv)     # raises, naming the fault
+                (writes if cls is Recv else reads).append(((buf, off, cnt), o))
             else:
                 region(o.src, o.src_offset, o.count, i, False)
                 region(o.dst, o.dst_offset, o.count, i, True)
@@ -126,8 +131,8 @@ def verify(schedules: Sequence[Schedule], *, topology=None,
     a step's local ops when the rank enters the step, a Send and its Recv when the pair
     completes (the conformance test compares it with the other interpreters)."""
     _check_call(schedules)
-    pair_of, messages = _match_fifo(schedules)
-    run = _SymbolicRun(schedules, pair_of, trace)
+    run = _SymbolicRun(schedules, trace)
+    messages = run.messages
     rounds = run.run()
     run.raise_if_stuck()
     _check_results(schedules, run.state, run.knows)
@@ -152,30 +157,35 @@ def _check_call(schedules: Sequence[Schedule]) -> None:
         _check_structure(s, len(schedules))
 
 
-def _match_fifo(schedules: Sequence[Schedule]):
-    """FIFO matching per ordered pair: the k-th send a->b pairs with the k-th recv on b from a.
-    Returns ({(rank, step, id(op)): the partner's (rank, step, id(op)), both ways}, messages)."""
-    sends: Dict[Tuple[int, int], List[Tuple[int, Send]]] = defaultdict(list)
-    recvs: Dict[Tuple[int, int], List[Tuple[int, Recv]]] = defaultdict(list)
-    for s in schedules:
-        for i, step in enumerate(s.steps):
-            for o in step:
-                if isinstance(o, Send):
-                    sends[(s.rank, o.peer)].append((i, o))
-                elif isinstance(o, Recv):
-                    recvs[(o.peer, s.rank)].append((i, o))
-    pair_of: Dict[Tuple[int, int, int], Tuple[int, int, int]] = {}
-    for pair in set(sends) | set(recvs):
-        sl, rl = sends.get(pair, []), recvs.get(pair, [])
+def _pair_fifo(ops_tab: List[list], sends: Dict[Tuple[int, int], List[int]],
+               recvs: Dict[Tuple[int, int], List[int]]) -> None:
+    """FIFO matching per ordered pair: the k-th send a->b pairs with the k-th recv on b from a
+    (``sends`` / ``recvs``: the ids of each pair's ops in order); sets each op's partner id."""
+    for pair in sends.keys() | recvs.keys():
+        sl, rl = sends.get(pair, ()), recvs.get(pair, ())
         if len(sl) != len(rl):
             raise VerificationError(f"{len(sl)} sends {pair[0]}->{pair[1]} but {len(rl)} receives")
-        for (si, so), (ri, ro) in zip(sl, rl):
-            if so.count != ro.count:
-                raise VerificationError(f"send {pair[0]}->{pair[1]} step {si} has {so.count} "
-                                        f"elements, matching recv step {ri} expects {ro.count}")
-            pair_of[(pair[0], si, id(so))] = (pair[1], ri, id(ro))
-            pair_of[(pair[1], ri, id(ro))] = (pair[0], si, id(so))
-    return pair_of, sum(len(v) for v in sends.values())
+        for ks, kr in zip(sl, rl):
+            es, er = ops_tab[ks], ops_tab[kr]
+            if es[2].count != er[2].count:
+                raise VerificationError(f"send {pair[0]}->{pair[1]} step {es[1]} has "
+                                        f"{es[2].count} elements, matching recv step {er[1]} "
+                                        f"expects {er[2].count}")
+            es[3], er[3] = kr, ks
+
+
+class _Input:
+    """A rank's ``in`` buffer, never written (``_check_structure``): element e holds
+    (e, the rank's bit), made only for the slices read (``mask`` None: undefined)."""
+    __slots__ = ("mask",)
+
+    def __init__(self, mask: Optional[int]):
+        self.mask = mask
+
+    def __getitem__(self, sl: slice) -> list:
+        if self.mask is None:
+            return [(UNDEFINED, 0)] * (sl.stop - sl.start)
+        return list(zip(range(sl.start, sl.stop), repeat(self.mask)))
 
 
 class _SymbolicRun:
@@ -185,37 +195,44 @@ class _SymbolicRun:
     Every communication op gets an integer id: ``ops_tab[id]`` = [rank, step, op, partner id];
     ``plan[rank][step]`` = (local ops, ids of its communication ops)."""
 
-    def __init__(self, schedules: Sequence[Schedule], pair_of, trace: Optional[Trace]):
+    def __init__(self, schedules: Sequence[Schedule], trace: Optional[Trace]):
         s0 = schedules[0]
         coll, root, p = s0.collective, s0.root, len(schedules)
         undefined = (UNDEFINED, 0)
         self.state: List[Dict[str, list]] = []
         for s in schedules:
             bufs = {OUT: [undefined] * s.out_count, TMP: [undefined] * s.tmp_count}
-            if (coll == "broadcast" or coll == "scatter") and s.rank != root:
-                bufs[IN] = [undefined] * s.in_count   # never read: using it is a bug
-            else:
-                bufs[IN] = list(zip(range(s.in_count), repeat(1 << s.rank)))
+            # a non-root's input is never read: using it is a bug
+            unread = coll in ("broadcast", "scatter", "scatterv") and s.rank != root
+            bufs[IN] = _Input(None if unread else 1 << s.rank)
             self.state.append(bufs)
         # barrier knowledge: who is known to have entered (a switch enters nothing itself)
         self.knows = [1 << r if r < s0.size else 0 for r in range(p)]
-        ids: Dict[Tuple[int, int, int], int] = {}
-        self.ops_tab: List[list] = []
+        ops_tab: List[list] = []
+        sends: Dict[Tuple[int, int], List[int]] = defaultdict(list)
+        recvs: Dict[Tuple[int, int], List[int]] = defaultdict(list)
         self.plan = []
         for s in schedules:
-            steps = []
+            steps, r = [], s.rank
             for i, step in enumerate(s.steps):
-                local = [o for o in step if isinstance(o, (Copy, Reduce))]
-                comm = []
+                local, comm = [], []
                 for o in step:
-                    if isinstance(o, (Send, Recv)):
-                        ids[(s.rank, i, id(o))] = len(self.ops_tab)
-                        comm.append(len(self.ops_tab))
-                        self.ops_tab.append([s.rank, i, o, None])
+                    cls = o.__class__
+                    if cls is Send or cls is Recv:
+                        k = len(ops_tab)
+                        comm.append(k)
+                        ops_tab.append([r, i, o, None])
+                        if cls is Send:
+                            sends[(r, o.peer)].append(k)
+                        else:
+                            recvs[(o.peer, r)].append(k)
+                    else:
+                        local.append(o)
                 steps.append((local, comm))
             self.plan.append(steps)
-        for entry in self.ops_tab:
-            entry[3] = ids[pair_of[(entry[0], entry[1], id(entry[2]))]]
+        _pair_fifo(ops_tab, sends, recvs)
+        self.ops_tab = ops_tab
+        self.messages = sum(len(v) for v in sends.values())
         self.done = bytearray(len(self.ops_tab))
         self.pc = [0] * p
         self.left = [0] * p                 # communication ops of the current step not yet complete
