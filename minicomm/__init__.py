@@ -12,6 +12,8 @@ reduction ops ``SUM``, ``PROD``, ``MIN``, ``MAX``, ``AVG``, ``BAND``, ``BOR``, `
 strings "sum", "prod", ...: ``op=`` takes either) and the wildcards ``ANY_SOURCE`` and
 ``ANY_TAG`` of ``recv`` / ``irecv`` (both -1).
 """
+from . import algorithms
+from . import verifier as _verifier
 from .communicator import Communicator, Work
 from .errors import (
     CommError,
@@ -32,6 +34,11 @@ from .tuning import agree_link_model
 # launcher, so the launcher takes its measurement as a hook instead of importing it).
 set_link_agreement(agree_link_model)
 del set_link_agreement, agree_link_model
+# register(verify=True) proves, and every registered schedule is checked before it runs, with
+# the verifier: a layer above the algorithms, so they take it as hooks
+algorithms.set_prover(_verifier.prove_family)
+algorithms.set_checker(_verifier.check_structure)
+del _verifier
 
 __version__ = "0.1.0"
 __all__ = ["spawn", "init", "Communicator", "Work", "CommError", "CommTimeout", "MismatchError",

@@ -46,8 +46,10 @@ def plain(doc: str) -> str:
 
 def _cmd_verify(a) -> int:
     from .tools.verify import run_matrix
+    fams = (a.algorithm or []) + [x.strip() for x in (a.algorithms or "").split(",")
+                                  if x.strip()]
     ok = run_matrix(a.max_world, all_roots=a.all_roots, jobs=a.jobs,
-                    collectives=a.collective or None, families=a.algorithm or None)
+                    collectives=a.collective or None, families=fams or None, loads=a.load)
     return 0 if ok else 1
 
 
@@ -170,10 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="COLLECTIVE",
                    help=f"restrict to this collective (repeatable): "
                         f"{', '.join(ALL_COLLECTIVES)} (the uneven ones up to p=32)")
-    v.add_argument("--algorithm", action="append", choices=FAMILIES + ("innet",),
-                   metavar="FAMILY",
+    v.add_argument("--algorithm", action="append", metavar="FAMILY",
                    help=f"restrict to this algorithm family (repeatable): {', '.join(FAMILIES)}; "
-                        f"innet, in-network reduction with its switches, when named")
+                        f"innet, in-network reduction with its switches, when named; or a "
+                        f"registered one (--load)")
+    v.add_argument("--algorithms", default=None, metavar="LIST",
+                   help="the same, as a comma list")
+    v.add_argument("--load", action="append", metavar="FILE", help=LOAD_HELP)
     v.set_defaults(func=_cmd_verify)
 
     r = sub.add_parser("run", help="launch a script on N ranks (this box, or hosts over ssh)",
@@ -209,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description=plain(bench.__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(b)
+    b.add_argument("--load", action="append", metavar="FILE", help=LOAD_HELP)
     b.set_defaults(func=_cmd_bench)
 
     from .tools import demo
@@ -223,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "cluster", description=plain(sim_cli.__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     sim_cli.add_arguments(s)
+    s.add_argument("--load", action="append", metavar="FILE", help=LOAD_HELP)
     from .trace import SimulatedTrace
     s.set_defaults(func=_cmd_sim, new_timeline=SimulatedTrace)    # what --trace writes with
 
@@ -250,8 +257,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+LOAD_HELP = ("a Python file whose top level registers algorithms (mc.algorithms.register); "
+             "repeatable")
+
+
+def load_algorithms(paths) -> None:
+    """Run each ``--load`` file: its top level registers algorithms."""
+    import runpy
+    for path in paths or ():
+        if not os.path.isfile(path):
+            raise SystemExit(f"minicomm: --load {path}: no such file")
+        runpy.run_path(path, run_name="__minicomm_load__")
+
+
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    load_algorithms(getattr(a, "load", None))
     return a.func(a)
 
 

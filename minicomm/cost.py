@@ -75,7 +75,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .algorithms import FAMILIES
+from .algorithms import FAMILIES, registered
 from .schedule import COLLECTIVES, ROOTED, buffer_counts
 from .settings import SPIN_BYTES_PER_S, SPIN_MAX_S, SPIN_S, SPIN_SHARED_S
 from .sim import engine
@@ -231,18 +231,23 @@ def table_choice(m: LinkModel, collective: str, p: int, nbytes: int,
     return best
 
 
+def _order(fam: str) -> int:
+    """Ties go to the built-in families in their order, then to registered algorithms."""
+    return FAMILIES.index(fam) if fam in FAMILIES else len(FAMILIES)
+
+
 def model_choice(collective: str, p: int, nbytes: int, topology: Tuple[int, ...],
                  m: LinkModel) -> str:
     """The cheapest family by ``model_costs``; among those within ``NEAR`` of it (p <=
     ``SIM_MAX_RANKS``), the one with the fewest messages at its busiest rank."""
     costs = model_costs(collective, p, nbytes, topology, m)
-    best = min(costs, key=lambda f: (costs[f], FAMILIES.index(f)))
+    best = min(costs, key=lambda f: (costs[f], _order(f)))
     near = [f for f in costs if costs[f] <= costs[best] * (1 + NEAR)]
     if len(near) == 1 or p > SIM_MAX_RANKS:
         return best
     count = nbytes // ITEMSIZE
     return min(near, key=lambda f: (busiest_messages(collective, f, p, count, topology),
-                                    costs[f], FAMILIES.index(f)))
+                                    costs[f], _order(f)))
 
 
 def busiest_messages(collective: str, fam: str, p: int, count: int,
@@ -264,7 +269,8 @@ def model_costs(collective: str, p: int, nbytes: int, topology: Tuple[int, ...],
     CPUs (``schedule_time``); above: the engine's flow model on the LinkModel's network
     (``fabric_time``), priced once per size class (``SIZE_CLASSES`` per octave) and cached."""
     k = len(set(topology))
-    fams = [f for f in FAMILIES if f != "hier" or 1 < k < p]
+    fams = [f for f in FAMILIES if f != "hier" or 1 < k < p] + \
+        [r.name for r in registered(auto_only=True) if collective in r.collectives]
     if p > SIM_MAX_RANKS:
         return {f: fabric_time(collective, f, p, size_class(nbytes), tuple(topology), m)
                 for f in fams}

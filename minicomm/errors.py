@@ -109,14 +109,18 @@ COLLECTIVE_CODES = ("p2p", "broadcast", "reduce", "allreduce", "allgather", "red
 # rank in another call names it. "scatter:meta": scatter's header exchange (its argument check,
 # which also tells the ranks the block's shape and dtype).
 OP_CODES = ("none", "sum", "prod", "min", "max", "avg", "band", "bor", "bxor")
-ALGO_CODES = ("none", "ring", "tree", "rhd", "hier", "innet")
+ALGO_CODES = ("none", "ring", "tree", "rhd", "hier", "innet", "registered")
 
 
 def pack_call(collective: str, op: str, algorithm: str, dtype, root: int) -> int:
     """One int identifying a call's signature (everything but the count)."""
     dnum = np.dtype(dtype).num if dtype is not None else 0
     return (COLLECTIVE_CODES.index(collective) | OP_CODES.index(op) << 5
-            | ALGO_CODES.index(algorithm) << 9 | dnum << 13 | (root + 1) << 21)
+            | (ALGO_CODES.index(algorithm) if algorithm in ALGO_CODES else _REGISTERED_CODE) << 9
+            | dnum << 13 | (root + 1) << 21)
+
+
+_REGISTERED_CODE = ALGO_CODES.index("registered")   # any user-registered algorithm
 
 
 _FINGERPRINT = COLLECTIVE_CODES.index("fingerprint")

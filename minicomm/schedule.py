@@ -310,6 +310,48 @@ class Schedule:
                 f"{self.comm_steps} communicating, tmp={self.tmp_count}")
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """A region of one buffer, and the ops that move it (MSCCLang's chunks in this IR).
+
+    ``ScheduleBuilder.chunks`` cuts a buffer into them; a schedule is then written in chunks,
+    not offsets.
+
+    Attributes:
+        buf (str): "in", "out" or "tmp".
+        offset (int): Its first element.
+        count (int): Its elements.
+
+    Examples:
+        >>> c = Chunk(OUT, 4, 4)
+        >>> c.send(1), c.recv(2, reduce=True).reduce
+        (Send(peer=1, buf='out', offset=4, count=4), True)
+    """
+    buf: str
+    offset: int
+    count: int
+
+    def send(self, peer: int) -> Send:
+        """Send this chunk to ``peer``."""
+        return Send(peer, self.buf, self.offset, self.count)
+
+    def recv(self, peer: int, reduce: bool = False) -> Recv:
+        """Receive this chunk from ``peer`` (``reduce``: combine into it)."""
+        return Recv(peer, self.buf, self.offset, self.count, reduce)
+
+    def copy_to(self, dst: "Chunk") -> Copy:
+        """``dst = this chunk`` (same count)."""
+        return Copy(self.buf, self.offset, dst.buf, dst.offset, self.count)
+
+    def reduce_into(self, dst: "Chunk") -> Reduce:
+        """``dst op= this chunk`` (same count)."""
+        return Reduce(self.buf, self.offset, dst.buf, dst.offset, self.count)
+
+    def split(self, parts: int) -> List["Chunk"]:
+        """This chunk cut into ``parts`` (sizes differ by at most one)."""
+        return [Chunk(self.buf, self.offset + o, n) for o, n in chunk_bounds(self.count, parts)]
+
+
 class ScheduleBuilder:
     """Convenience for algorithm writers: collects steps and scratch space.
 
@@ -367,6 +409,24 @@ class ScheduleBuilder:
         """
         for s in steps:
             self.step(*s)
+
+    def chunks(self, buf: str, parts: int) -> List[Chunk]:
+        """Buffer ``buf`` ("in", "out") cut into ``parts`` chunks (sizes differ by at most one):
+        with ``parts`` = size, block j of a blocked buffer is chunk j.
+
+        Examples:
+            >>> b = ScheduleBuilder("allgather", "mine", rank=0, size=2, count=3)
+            >>> b.chunks(OUT, 2)
+            [Chunk(buf='out', offset=0, count=3), Chunk(buf='out', offset=3, count=3)]
+        """
+        size = {IN: self.in_count, OUT: self.out_count}.get(buf)
+        if size is None:
+            raise ValueError(f"chunks of {buf!r}: give 'in' or 'out' (tmp: tmp_chunk)")
+        return Chunk(buf, 0, size).split(parts)
+
+    def tmp_chunk(self, count: int) -> Chunk:
+        """A fresh region of ``count`` elements of ``tmp``."""
+        return Chunk(TMP, self.alloc_tmp(count), count)
 
     def alloc_tmp(self, count: int) -> int:
         """Reserve ``count`` fresh elements of ``tmp``.

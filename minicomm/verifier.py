@@ -28,9 +28,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from .schedule import (
     IN,
     OUT,
+    ROOTED,
     TMP,
     Copy,
     Recv,
+    Reduce,
     Schedule,
     Send,
     blocks_of,
@@ -135,7 +137,12 @@ def verify(schedules: Sequence[Schedule], *, topology=None,
     messages = run.messages
     rounds = run.run()
     run.raise_if_stuck()
-    _check_results(schedules, run.state, run.knows)
+    try:
+        _check_results(schedules, run.state, run.knows)
+    except VerificationError as e:
+        if getattr(e, "element", None) is None:
+            raise
+        raise VerificationError(f"{e}; {_last_writer(schedules, *e.element)}") from None
     return {"ranks": len(schedules), "rounds": rounds,
             "max_comm_steps": max(s.comm_steps for s in schedules), "messages": messages}
 
@@ -345,9 +352,11 @@ def _check_results(schedules, state, knows) -> None:
             how = {UNDEFINED: "nothing (never written, or undefined input)",
                    MIXED: "a mix of different elements",
                    DOUBLE: "a sum that counts a contribution twice"}.get(gs, f"element {gs}")
-            raise VerificationError(
+            err = VerificationError(
                 f"{coll}/{s0.algorithm} p={p} n={n} root={root}: rank {r} out[{lo + e}] ({what}) "
                 f"holds {how} from ranks {_ranks(gm)}; expected element {ws} from ranks {_ranks(wm)}")
+            err.element = (r, lo + e)
+            raise err
 
     if coll == "barrier":
         for r in range(p):
@@ -389,3 +398,52 @@ def _check_results(schedules, state, knows) -> None:
 
 def _ranks(mask: int) -> List[int]:
     return [r for r in range(mask.bit_length()) if mask >> r & 1]
+
+
+def _last_writer(schedules: Sequence[Schedule], rank: int, element: int) -> str:
+    """Where rank ``rank``'s out[element] was last written (the verifier run again with a trace:
+    only on this error path), for a wrong result's counter-example."""
+    last = []
+
+    def trace(r, step, op):
+        if r != rank:
+            return
+        if isinstance(op, (Copy, Reduce)):
+            buf, off = op.dst, op.dst_offset
+        elif isinstance(op, Recv):
+            buf, off = op.buf, op.offset
+        else:
+            return
+        if buf == OUT and off <= element < off + op.count:
+            last[:] = [(step, op)]
+    run = _SymbolicRun(schedules, trace)
+    run.run()
+    if not last:
+        return f"no step of rank {rank} writes it"
+    step, op = last[0]
+    return f"last written at rank {rank} step {step} by {op}"
+
+
+def check_structure(s: Schedule, participants: int) -> None:
+    """One schedule's buffers, offsets and peers (what ``verify`` checks first, per rank):
+    VerificationError naming the rank, the step and the op."""
+    _check_structure(s, participants)
+
+
+def prove_family(name: str, collectives: Sequence[str], max_world: int) -> None:
+    """Prove algorithm ``name`` (built-in or registered) for every collective of
+    ``collectives``, world sizes 1..max_world, counts {0, 1, 5, p+1}, every root, one node and
+    two: VerificationError with the first counter-example (world size, rank, step, what)."""
+    from .algorithms import build_all
+    for p in range(1, max_world + 1):
+        for topo in sorted({(0,) * p, tuple(r * 2 // p for r in range(p))}):
+            for coll in collectives:
+                roots = range(p) if coll in ROOTED else [0]
+                for n in ([0] if coll == "barrier" else sorted({0, 1, 5, p + 1})):
+                    for root in roots:
+                        try:
+                            verify(build_all(coll, name, p, n, root, topo))
+                        except VerificationError as e:
+                            raise VerificationError(
+                                f"{coll} p={p} count={n} root={root} topology={topo}: "
+                                f"{e}") from None

@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import ops as _ops
 from ..algorithms import FAMILIES, build_schedule, innet
+from ..algorithms import names as algorithm_names
 from ..cost import LinkModel, choose, innet_time, model_costs
 from ..errors import CommError, pack_call
 from ..executor import Plan, run_plan
@@ -137,9 +138,9 @@ class CallPlans:
         if algorithm == "innet":
             self._check_innet(coll, count, itemsize)
             return algorithm
-        if algorithm not in FAMILIES:
+        if algorithm not in FAMILIES and algorithm not in algorithm_names():
             raise ValueError(f"unknown algorithm {algorithm!r}; choose one of "
-                             f"{', '.join(FAMILIES)} or 'auto'")
+                             f"{', '.join(algorithm_names())} or 'auto'")
         return algorithm
 
     def _check_innet(self, coll: str, count: int, itemsize: int) -> None:
@@ -181,7 +182,8 @@ class CallPlans:
             return self._plans.put(key, Plan(sched, self.group + (self._switch.switch_rank,)))
         if plan is None:
             channels = self.channels if algo in ("ring", "tree") else 1
-            topo = self.topology if algo == "hier" or channels > 1 else None
+            topo = self.topology if algo not in FAMILIES or algo == "hier" or channels > 1 \
+                else None
             if coll in UNEVEN or coll in PREFIX:
                 channels, topo = 1, self.topology
             sched = build_schedule(coll, algo, self.rank, self.size, count, root, topo, channels,

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import cloudpickle
 
 from .. import flightrecord
+from ..algorithms import registered
 from ..communicator import Communicator
 from ..cost import LinkModel, parse_algo_env
 from ..diagnosis import FINISHED
@@ -222,7 +223,7 @@ def _spawn_processes(fn, world_size, args, transport, topology, timeout, on_fail
     host = socket.gethostname()
     token = secrets.token_bytes(32)
     server = StoreServer("127.0.0.1", 0, token)
-    blob = cloudpickle.dumps((fn, args))
+    blob = cloudpickle.dumps((fn, args, registered()))   # the parent's registered algorithms
     procs: List[subprocess.Popen] = []
     readers: Dict[int, int] = {}
     records = JobRecords(job_id)

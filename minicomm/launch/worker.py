@@ -66,7 +66,9 @@ def main() -> int:
     comm = None
     code = 1
     try:
-        fn, args = cloudpickle.loads(blob)
+        fn, args, algs = cloudpickle.loads(blob)
+        from minicomm import algorithms
+        algorithms.adopt(algs)                          # registered in the parent
         from minicomm.launch.world import connect_world
         comm = connect_world(cfg)
         record = ("ok", fn(comm, *args))

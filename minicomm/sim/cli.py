@@ -31,7 +31,7 @@ import math
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..algorithms import FAMILIES
+from ..algorithms import FAMILIES, registered
 from ..schedule import ALL_COLLECTIVES, UNEVEN
 from . import ps_model
 from .engine import (
@@ -202,7 +202,7 @@ def _algorithms(text: Optional[str], topo: Topology, innet_where_it_runs: bool =
     else:
         algos = [x.strip() for x in text.split(",") if x.strip()]
         for x in algos:
-            if x not in FAMILIES + ("innet", "mesh"):
+            if x not in FAMILIES + ("innet", "mesh") + tuple(r.name for r in registered()):
                 raise ValueError(f"unknown algorithm {x!r}; choose 'all' or from "
                                  f"{', '.join(FAMILIES)}, or innet (in-network reduction, "
                                  f"where a switch reduces), or mesh (along a full mesh's "

@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..algorithms import FAMILIES
+from ..algorithms import FAMILIES, registered
 from ..schedule import (
     busbw_factor,  # noqa: F401  (re-exported: bench and its tests use it)
     call_buffer_counts,
@@ -311,7 +311,8 @@ class BenchConfig:
         if bad or not self.collectives:
             raise BenchError(f"unknown collective {', '.join(bad) or '(none)'}; choose from "
                              f"{', '.join(BENCHED)} or 'all'")
-        bad = [a for a in self.algorithms if a not in FAMILIES + ("innet", "auto")]
+        bad = [a for a in self.algorithms if a not in FAMILIES + ("innet", "auto")
+               + tuple(r.name for r in registered())]
         if bad or not self.algorithms:
             raise BenchError(f"unknown algorithm {', '.join(bad) or '(none)'}; choose from "
                              f"{', '.join(FAMILIES)}, innet (the job gets a switch), auto")

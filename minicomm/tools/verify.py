@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 
-from ..algorithms import FAMILIES, build_schedule, hier, innet, ring, tree
+from ..algorithms import FAMILIES, build_schedule, hier, innet, registered, ring, tree
 from ..schedule import ALL_COLLECTIVES, PREFIX, ROOTED, UNEVEN
 from ..verifier import verify
 
@@ -92,6 +92,8 @@ def verify_cell(args):
     """Verify one (collective, family, world size) over roots, counts and node maps.
     Returns (collective, family, p, cases, error or None)."""
     coll, fam, p, all_roots = args
+    if not _has(fam, coll):
+        return coll, fam, p, 0, None
     if fam == "innet":
         return _verify_innet_cell(coll, p, all_roots)
     if coll in UNEVEN or coll in PREFIX:
@@ -190,15 +192,35 @@ def _verify_innet_cell(coll: str, p: int, all_roots: bool):
                                          f"{type(e).__name__}: {e}")
 
 
+def _has(fam: str, coll: str) -> bool:
+    """Whether ``fam`` builds ``coll``: innet and registered algorithms have some only."""
+    if fam == "innet":
+        return coll in innet.COLLECTIVES
+    reg = {r.name: r for r in registered()}.get(fam)
+    return reg is None or coll in reg.collectives
+
+
+def _load(paths) -> None:
+    """A pool process runs the ``--load`` files, so their algorithms are registered there
+    (unless it was forked from the parent, and has them already)."""
+    import runpy
+    if registered():
+        return
+    for path in paths:
+        runpy.run_path(path, run_name="__minicomm_load__")
+
+
 def run_matrix(max_world: int = 64, all_roots: bool = False, jobs: int = 0, out=None,
-               collectives=None, families=None) -> bool:
-    """Verify every cell of the algorithm matrix; print it; True if every cell passes."""
+               collectives=None, families=None, loads=None) -> bool:
+    """Verify every cell of the algorithm matrix; print it; True if every cell passes.
+    ``loads``: files that register algorithms (already run here; the pool runs them too)."""
     out = out or sys.stdout
     colls = list(collectives or ALL_COLLECTIVES)
     fams = list(families or FAMILIES)
     # a misspelt name is the caller's mistake, not a cell that fails its proof
+    provable = PROVABLE + tuple(r.name for r in registered())
     for kind, names, known in (("collective", colls, ALL_COLLECTIVES),
-                               ("algorithm", fams, PROVABLE)):
+                               ("algorithm", fams, provable)):
         bad = [x for x in names if x not in known]
         if bad:
             raise ValueError(f"unknown {kind} {', '.join(map(repr, bad))}; choose from "
@@ -209,7 +231,7 @@ def run_matrix(max_world: int = 64, all_roots: bool = False, jobs: int = 0, out=
     t0 = time.monotonic()
     cells = {(c, f): [0, 0, None] for c in colls for f in fams}   # sizes passed, cases, first error
     if jobs > 1:
-        with ProcessPoolExecutor(jobs) as pool:
+        with ProcessPoolExecutor(jobs, initializer=_load, initargs=(list(loads or ()),)) as pool:
             results = list(pool.map(verify_cell, tasks, chunksize=4))
     else:
         results = [verify_cell(t) for t in tasks]
@@ -230,7 +252,7 @@ def run_matrix(max_world: int = 64, all_roots: bool = False, jobs: int = 0, out=
     print(f"minicomm verify: world sizes 1..{max_world}; {scope}", file=out)
     print("collective".ljust(16) + "".join(f.ljust(width) for f in fams), file=out)
     ok_cells = 0
-    absent = {(c, "innet") for c in colls if "innet" in fams and c not in innet.COLLECTIVES}
+    absent = {(c, f) for c in colls for f in fams if not _has(f, c)}
     for c in colls:
         row = c.ljust(16)
         for f in fams:
