@@ -122,9 +122,9 @@ def check_one(comm, coll, algorithm, count, dtype, op=None, root=0, inplace=Fals
 
 
 def matrix(comm, algorithm, counts=(0, 1, 7), dtypes=("int32", "float64", "bool"),
-           all_roots=True, every_op=True, colls=COLLS) -> int:
-    """The Gloo-style matrix for one communicator and one algorithm (its collectives ``colls``);
-    returns the number of checks."""
+           all_roots=True, every_op=True, colls=COLLS, barrier=True) -> int:
+    """The Gloo-style matrix for one communicator and one algorithm (its collectives ``colls``,
+    and its barrier unless ``barrier`` is False: then auto's); returns the number of checks."""
     p = comm.size
     n = 0
     roots = range(p) if all_roots else sorted({0, p - 1})
@@ -144,5 +144,5 @@ def matrix(comm, algorithm, counts=(0, 1, 7), dtypes=("int32", "float64", "bool"
                 else:
                     for inplace in (False, True):
                         n += check_one(comm, coll, algorithm, count, dtype, None, 0, inplace)
-    comm.barrier(algorithm=algorithm)
+    comm.barrier(algorithm=algorithm if barrier else "auto")
     return n
