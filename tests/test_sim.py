@@ -413,7 +413,7 @@ def test_cli_reports_bad_input_without_traceback(capsys):
     import argparse
     p = argparse.ArgumentParser()
     sim_cli.add_arguments(p)
-    for argv in (["--topology", "nope"], ["--collective", "scan"], ["--algorithms", "ring,x"],
+    for argv in (["--topology", "nope"], ["--collective", "sideways"], ["--algorithms", "ring,x"],
                  ["--sizes", "1Q"], ["--gpus", "12"], ["--topology", "/no/such.toml"]):
         assert sim_cli.main(p.parse_args(argv)) == 2
         assert "minicomm sim:" in capsys.readouterr().err
@@ -490,7 +490,7 @@ def test_bad_topologies_and_arguments_raise():
     with pytest.raises(ValueError, match="unknown algorithm"):
         simulate("allreduce", "butterfly", t, nbytes=64)
     with pytest.raises(ValueError, match="unknown collective"):
-        simulate("scan", "ring", t, nbytes=64)
+        simulate("sideways", "ring", t, nbytes=64)
     with pytest.raises(ValueError, match="do not fit"):
         simulate("allreduce", "ring", t, nbytes=64, ranks=5)
     with pytest.raises(ValueError, match="two ranks"):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import List, Optional, Sequence, Tuple
+from typing import Tuple
 
 import numpy as np
 
@@ -417,8 +417,3 @@ class UnevenCollectives:
                 np.true_divide(outflat, self.rank + (name == "scan"), out=outflat)
             return res
         return run
-
-
-def rows_of(counts: Optional[Sequence[int]]) -> List[int]:
-    """``counts`` as a list of ints (what ``alltoallv(..., return_counts=True)`` returns)."""
-    return [int(c) for c in counts or ()]
