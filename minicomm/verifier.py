@@ -419,7 +419,9 @@ def _last_writer(schedules: Sequence[Schedule], rank: int, element: int) -> str:
     run = _SymbolicRun(schedules, trace)
     run.run()
     if not last:
-        return f"no step of rank {rank} writes it"
+        steps = len(schedules[rank].steps)
+        return (f"no step of rank {rank} writes it (its steps 0..{steps - 1} end without it)"
+                if steps else f"rank {rank} has no steps")
     step, op = last[0]
     return f"last written at rank {rank} step {step} by {op}"
 
