@@ -48,6 +48,12 @@ def _cmd_verify(a) -> int:
     from .tools.verify import run_matrix
     fams = (a.algorithm or []) + [x.strip() for x in (a.algorithms or "").split(",")
                                   if x.strip()]
+    from .algorithms import names
+    bad = [f for f in fams if f not in names()]
+    if bad:           # a usage error, as argparse words one (registered names come from --load)
+        print(f"minicomm verify: error: argument --algorithm: invalid choice: {bad[0]!r} "
+              f"(choose from {', '.join(map(repr, names()))})", file=sys.stderr)
+        raise SystemExit(2)
     ok = run_matrix(a.max_world, all_roots=a.all_roots, jobs=a.jobs,
                     collectives=a.collective or None, families=fams or None, loads=a.load)
     return 0 if ok else 1
@@ -153,11 +159,8 @@ def _cmd_doctor(a) -> int:
     return 0 if lines[0].startswith("diagnosis: nothing at fault") else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="minicomm", description=plain(__doc__),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_verify(sub) -> None:
+    """The ``verify`` command's options."""
     from .algorithms import FAMILIES
     from .schedule import ALL_COLLECTIVES
     v = sub.add_parser("verify", help="prove every algorithm correct and deadlock-free",
@@ -180,6 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the same, as a comma list")
     v.add_argument("--load", action="append", metavar="FILE", help=LOAD_HELP)
     v.set_defaults(func=_cmd_verify)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="minicomm", description=plain(__doc__),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    _add_verify(sub)
 
     r = sub.add_parser("run", help="launch a script on N ranks (this box, or hosts over ssh)",
                        description=RUN_DESCRIPTION,

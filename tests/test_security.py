@@ -686,7 +686,7 @@ AUDITED_UNPICKLES = {
     ("minicomm/communicator/objects.py", "return cloudpickle.loads(arr.tobytes())"),
     ("minicomm/launch/local.py", "status, value = cloudpickle.loads(raw)"),
     ("minicomm/launch/worker.py", "cfg = cloudpickle.loads(_read_exact(stdin, cfg_len))"),
-    ("minicomm/launch/worker.py", "fn, args = cloudpickle.loads(blob)"),
+    ("minicomm/launch/worker.py", "fn, args, algs = cloudpickle.loads(blob)"),
 }
 
 
