@@ -1,6 +1,8 @@
 """minicomm's exceptions, and the packed call signature carried in every message tag."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 
@@ -146,6 +148,7 @@ def call_reduces(call: int) -> bool:
     return (call >> 5) & 15 != 0
 
 
+@functools.lru_cache(maxsize=256)
 def decode_call(call: int):
     """(collective, op, dtype) of a packed call (``pack_call``)."""
     dnum = (call >> 13) & 255

@@ -138,7 +138,7 @@ class CallPlans:
         if algorithm == "innet":
             self._check_innet(coll, count, itemsize)
             return algorithm
-        if algorithm not in FAMILIES and algorithm not in algorithm_names():
+        if algorithm not in algorithm_names():
             raise ValueError(f"unknown algorithm {algorithm!r}; choose one of "
                              f"{', '.join(algorithm_names())} or 'auto'")
         return algorithm
@@ -215,8 +215,9 @@ class CallPlans:
             (coll, op, algorithm, dtype, count, root)
         c = self._calls.get(key)
         if c is None:
-            c = self._calls.put(key, self._bind_call(coll, op, algorithm, dtype, count, root,
-                                                     counts))
+            c = self._bind_call(coll, op, algorithm, dtype, count, root, counts)
+            c.key = key               # what a fallback from innet prepares again
+            self._calls.put(key, c)
         return c
 
     def _bind_call(self, coll: str, op: str, algorithm, dtype: np.dtype, count: int,
@@ -229,7 +230,6 @@ class CallPlans:
         c = Call(coll, algo, pack_call(coll, op, algo, dtype, root if rooted else -1), plan,
                  _ops.get_kernel(op) if op != "none" else None, f"{coll} ({algo})",
                  algorithm not in (None, "auto"), count)
-        c.key = (coll, op, algorithm, dtype, count, root) + ((counts,) if counts else ())
         if rooted:
             c.root = root
         # through the switch's link: no small path, no hot path

@@ -43,7 +43,6 @@ HEADER_FIELDS = 8                # int64 fields before the group's world ranks
 OP, RELEASE = 1, 2               # header kinds: an operation; a communicator gives its group back
 OK, MISMATCH, BUSY, TOO_LARGE, FAILED = range(5)
 VERDICT_FIELDS = 4
-STATUS_NAMES = ("ok", "mismatch", "busy", "too large", "failed")
 ENV_SWITCH = "MINICOMM_SWITCH"   # "1": the job has a switch (rank 0 starts it)
 DEFAULT_MAX_BYTES = 256 << 20    # per operation (SHARP streams larger ones; docs/guide)
 DEFAULT_MAX_GROUPS = 8           # aggregation groups the switch holds at once

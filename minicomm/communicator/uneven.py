@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Tuple
+from typing import Sequence, Tuple
 
 import numpy as np
 
@@ -30,11 +30,11 @@ from .. import ops as _ops
 from ..errors import MismatchError
 from .buffers import META_WORDS, decode_meta, encode_meta
 
-HEADER = 4                       # rows, elements per row, dtype number, crc32 of the row shape
 PAIRWISE = ("ring", "rhd")       # alltoallv families whose rank r reads only row and column r
 
 
 def _row_header(rows: int, arr: np.ndarray) -> np.ndarray:
+    """(rows, elements per row, dtype number, crc32 of the row shape)."""
     inner = arr.shape[1:]
     return np.array([rows, math.prod(inner), arr.dtype.num,
                      zlib.crc32(np.array(inner, dtype=np.int64).tobytes())], dtype=np.int64)
@@ -72,18 +72,25 @@ class UnevenCollectives:
         finally:
             self._exit()
 
-    def _learn_rows(self, name: str, arr: np.ndarray, rows: int) -> Tuple[int, ...]:
-        """Every rank's rows, and the check that all have this rank's row shape and dtype."""
-        mine = _row_header(rows, arr)
-        table = np.empty((self.size, HEADER), dtype=np.int64)
-        self._execute("allgather", mine, table.reshape(-1), HEADER, "none", 0, None,
+    def _exchange_rows(self, name: str, arr: np.ndarray, lead: Sequence[int]) -> np.ndarray:
+        """Allgather every rank's ``lead`` words (its rows, or its send counts) with its row
+        size, dtype and row shape, and check that every rank has this rank's; returns every
+        rank's ``lead`` as a (size, len(lead)) table."""
+        words = np.concatenate([np.asarray(lead, dtype=np.int64), _row_header(0, arr)[1:]])
+        k = len(lead)
+        table = np.empty((self.size, words.size), dtype=np.int64)
+        self._execute("allgather", words, table.reshape(-1), words.size, "none", 0, None,
                       table.shape)
         for r in range(self.size):
-            if not np.array_equal(table[r, 1:], mine[1:]):
+            if not np.array_equal(table[r, k:], words[k:]):
                 self._fail(MismatchError(
                     f"{name}: rank {r}'s rows are not this rank's ({arr.dtype}, rows of shape "
                     f"{arr.shape[1:]}): every rank's blocks must share row shape and dtype"))
-        return tuple(int(v) for v in table[:, 0])
+        return table[:, :k]
+
+    def _learn_rows(self, name: str, arr: np.ndarray, rows: int) -> Tuple[int, ...]:
+        """Every rank's rows (``_exchange_rows``)."""
+        return tuple(int(v) for v in self._exchange_rows(name, arr, (rows,))[:, 0])
 
     def _own_rows(self, name: str, counts: Tuple[int, ...], rows: int) -> None:
         if counts[self.rank] != rows:
@@ -298,17 +305,7 @@ class UnevenCollectives:
 
         def run():
             if recv_counts is None or fam not in PAIRWISE:
-                words = np.concatenate([np.array(send, dtype=np.int64),
-                                        _row_header(0, arr)[1:]])
-                table = np.empty((p, words.size), dtype=np.int64)
-                self._execute("allgather", words, table.reshape(-1), words.size, "none", 0,
-                              None, table.shape)
-                for r in range(p):
-                    if not np.array_equal(table[r, p:], words[p:]):
-                        self._fail(MismatchError(
-                            f"alltoallv: rank {r}'s rows are not this rank's ({arr.dtype}, "
-                            f"rows of shape {inner})"))
-                matrix = table[:, :p]
+                matrix = self._exchange_rows(name, arr, send)
                 got = tuple(int(v) for v in matrix[:, me])
                 if recv_counts is not None and recv_counts != got:
                     self._fail(MismatchError(f"alltoallv: recv_counts {list(recv_counts)[:8]} "

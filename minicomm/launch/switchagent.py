@@ -54,7 +54,7 @@ class Switch:
         self.pending: Dict[Tuple, Dict[int, np.ndarray]] = {}   # operation -> member headers
         self.groups: Dict[Tuple, set] = {}   # held group (ctx, members) -> members released
         self.dead: Dict[int, str] = {}
-        self.plans: Dict[Tuple, Plan] = {}
+        self.plans: Dict[Tuple, Tuple[Plan, tuple]] = {}   # operation -> plan, buffers
 
     def serve(self) -> None:
         for r in range(self.size):
@@ -155,14 +155,16 @@ class Switch:
 
     def _run(self, ctx, seq, call, coll, op, dtype, count, root, members) -> None:
         g = len(members)
-        key = (coll, g, count, root, members)
-        plan = self.plans.get(key)
-        if plan is None:
-            sched = innet.build(coll, g, g, count, root, (0,) * g, radix=max(2, g))
-            plan = self.plans[key] = Plan(sched, members + (self.size,))
-            if len(self.plans) > 256:
+        key = (coll, g, count, root, members, dtype)
+        bound = self.plans.get(key)
+        if bound is None:           # the plan and its scratch, kept: operations repeat
+            if len(self.plans) >= 256:
                 self.plans.clear()
-        bufs = (np.empty(0, dtype), np.empty(0, dtype), np.empty(plan.tmp_count, dtype))
+            sched = innet.build(coll, g, g, count, root, (0,) * g, radix=max(2, g))
+            plan = Plan(sched, members + (self.size,))
+            bound = self.plans[key] = (plan, (np.empty(0, dtype), np.empty(0, dtype),
+                                              np.empty(plan.tmp_count, dtype)))
+        plan, bufs = bound
         # "none" (barrier): its reductions are of zero elements, any kernel does them
         kernel = _ops.get_kernel(op if op != "none" else "sum")
         try:
