@@ -6,6 +6,7 @@
 Start a world with ``spawn`` (threads or processes on this machine) or ``init`` (in a process
 that ``minicomm run``, mpiexec, srun or torchrun started); every rank gets a ``Communicator``.
 The names here: ``spawn``, ``init``, ``Communicator``, ``Work`` (an async operation's handle),
+``Request`` (a persistent collective, from ``comm.allreduce_init`` and the other ``*_init``),
 ``Status`` (what a receive matched), the errors (``CommError`` and its subclasses
 ``CommTimeout``, ``MismatchError``, ``PeerFailure``, ``Revoked``, ``RMAError``, ``SpawnError``), the
 reduction ops ``SUM``, ``PROD``, ``MIN``, ``MAX``, ``AVG``, ``BAND``, ``BOR``, ``BXOR`` (the
@@ -14,7 +15,7 @@ strings "sum", "prod", ...: ``op=`` takes either) and the wildcards ``ANY_SOURCE
 """
 from . import algorithms
 from . import verifier as _verifier
-from .communicator import Communicator, Work
+from .communicator import Communicator, Request, Work
 from .errors import (
     CommError,
     CommTimeout,
@@ -41,6 +42,6 @@ algorithms.set_checker(_verifier.check_structure)
 del _verifier
 
 __version__ = "0.1.0"
-__all__ = ["spawn", "init", "Communicator", "Work", "CommError", "CommTimeout", "MismatchError",
+__all__ = ["spawn", "init", "Communicator", "Work", "Request", "CommError", "CommTimeout", "MismatchError",
            "PeerFailure", "Revoked", "RMAError", "SpawnError", "SUM", "PROD", "MIN", "MAX", "AVG", "BAND",
            "BOR", "BXOR", "ANY_SOURCE", "ANY_TAG", "Status"]

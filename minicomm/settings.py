@@ -270,6 +270,9 @@ SETTINGS: Tuple[Setting, ...] = (
             "model's built-in constants.", _CHOICE),
     Setting("MINICOMM_CACHE_DIR", "`$XDG_CACHE_HOME/minicomm`, else `~/.cache/minicomm`", "path",
             "Directory of the link measurements and the tuned table.", _CHOICE),
+    Setting("MINICOMM_FUSION_BYTES", "67108864 (64 MiB)", "byte count >= 0",
+            "The largest buffer `comm.group()` packs allreduces of one op, dtype and algorithm "
+            "into (Horovod's tensor fusion); more start another; 0: no fusion.", _CHOICE),
     Setting("MINICOMM_SMALL_PATH", "on", "flag",
             "The small-message path for hot small calls; off: every call runs through the "
             "executor.", _CHOICE),

@@ -194,7 +194,7 @@ class Window:
                                 f"has one dtype")
             self._counts = [c for _, c, _ in infos]
             channel = next(_channels)
-            self._channels = [backend.rma_attach(comm.group[r], infos[r][0], channel)
+            self._channels = [backend.rma_attach(comm.world_ranks[r], infos[r][0], channel)
                               for r in range(self.size)]
             comm.barrier()            # every rank mapped every window: the names can go
             exp.seal()

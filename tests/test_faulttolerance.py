@@ -180,7 +180,7 @@ def _die_at_call(comm, victim, at, path, calls=8):
     failed = comm.failed_ranks(agreed=True)
     new = comm.shrink()
     _write(path, comm.rank, {"error": error, "ok": ok, "failed": failed,
-                             "group": list(new.group), "rank": new.rank, "id": new.comm_id,
+                             "group": list(new.world_ranks), "rank": new.rank, "id": new.comm_id,
                              "done": _check_collectives(new), "agree": new.agree(True),
                              "new_failed": new.failed_ranks(), "seen": seen})
     new.close()
@@ -276,7 +276,7 @@ def test_shrink_after_a_comm_timeout_keeps_the_slow_rank(transport):
         except mc.CommError as e:
             error = type(e).__name__
         new = comm.shrink(timeout=10.0)
-        return error is not None, new.group, new.comm_id != comm.comm_id, _check_collectives(new)
+        return error is not None, new.world_ranks, new.comm_id != comm.comm_id, _check_collectives(new)
 
     got = mc.spawn(prog, 3, transport=transport, timeout=0.5)
     assert got == [(True, (0, 1, 2), True, 5)] * 3
@@ -336,7 +336,7 @@ def _crash_somewhere(comm, path, calls=30):
             break
         except (mc.PeerFailure, mc.CommTimeout, mc.errors.Revoked):
             comm = new
-    _write(path, comm.rank, {"ok": ok, "failed": failed, "group": list(new.group),
+    _write(path, comm.rank, {"ok": ok, "failed": failed, "group": list(new.world_ranks),
                              "done": done})
     new.close()
 

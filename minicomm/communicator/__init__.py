@@ -12,15 +12,19 @@ count), so a rank that disagrees on the call is detected from the first header i
 The package, by job (``Communicator`` composes one class of each):
   core.py          the class and its state; the transport's capabilities, learned once
   lifecycle.py     the one-thread guard, async work (``Work``), break, abort, close
-  collectives.py   the nine collectives: one fast path by buffer layout, else validate, bind, run
+  collectives.py   the nine collectives: a repeated call finds its bound ``Call`` (a cache in
+                   front of what ``*_init`` binds), else validate, bind, run
   buffers.py       input, output and in-place handling; each collective's buffer layout
   calls.py         call signatures bound to plans (``Call``), and running them
   cache.py         ``BoundedCache``, the one cache type
   fingerprints.py  the call fingerprint checks;  scatter.py  scatter's header exchange
   pointtopoint.py  send / recv;  objects.py  object collectives (cloudpickle)
-  groups.py        split and windows;  memory.py  registered buffers
+  persistent.py    ``*_init``: persistent requests (``Request``) over bound calls
+  grouping.py      ``comm.group()``: held calls, fusion, the group's check
+  split.py         split and windows;  memory.py  registered buffers
 """
 from .core import Communicator
 from .lifecycle import WORLD_ID, Work, context
+from .persistent import Request
 
-__all__ = ["Communicator", "Work", "WORLD_ID", "context"]
+__all__ = ["Communicator", "Work", "Request", "WORLD_ID", "context"]

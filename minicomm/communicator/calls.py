@@ -179,7 +179,7 @@ class CallPlans:
         if plan is None and algo == "innet":     # one switch above the group (switch.py)
             sched = innet.build(coll, self.rank, self.size, count, root, (0,) * self.size,
                                 radix=max(2, self.size))
-            return self._plans.put(key, Plan(sched, self.group + (self._switch.switch_rank,)))
+            return self._plans.put(key, Plan(sched, self.world_ranks + (self._switch.switch_rank,)))
         if plan is None:
             channels = self.channels if algo in ("ring", "tree") else 1
             topo = self.topology if algo not in FAMILIES or algo == "hier" or channels > 1 \
@@ -188,7 +188,7 @@ class CallPlans:
                 channels, topo = 1, self.topology
             sched = build_schedule(coll, algo, self.rank, self.size, count, root, topo, channels,
                                    counts)
-            plan = self._plans.put(key, Plan(sched, self.group))
+            plan = self._plans.put(key, Plan(sched, self.world_ranks))
         return plan
 
     def _small(self, plan: Plan, dtype: np.dtype):
@@ -198,7 +198,7 @@ class CallPlans:
         if eager is None or SMALL_OFF or \
                 not eligible(plan.schedule, dtype.itemsize, eager.small_bytes):
             return None
-        return compile_small(plan.schedule, self.group)
+        return compile_small(plan.schedule, self.world_ranks)
 
     def _tmp(self, dtype: np.dtype, count: int) -> np.ndarray:
         buf = self._scratch.get(dtype)
@@ -334,7 +334,7 @@ class CallPlans:
         deadline = time.monotonic() + self.timeout
         with sw.lock:
             status, detail = sw.admit(self._ctx, seq, c.call, count,
-                                      c.root if c.rooted else -1, self.group, deadline, c.label)
+                                      c.root if c.rooted else -1, self.world_ranks, deadline, c.label)
             if status != OK:
                 why = (f"{sw.describe()} holds its {detail} aggregation groups "
                        f"(MINICOMM_SWITCH_GROUPS)" if status == BUSY

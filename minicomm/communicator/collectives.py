@@ -44,6 +44,30 @@ from .lifecycle import get_ident
 _monotonic = time.monotonic
 
 
+class BoundCall:
+    """A collective's arguments, checked and bound to flat buffers and to their ``Call``
+    (``_bind``): what the async worker runs (``bound()``, outside the guard), what a persistent
+    request runs again and again (``inline()``: on the caller's thread, inside the guard, small
+    calls on their compiled plan) and what ``comm.group()`` fuses (``op``, ``algorithm``: as
+    the user asked for them)."""
+    __slots__ = ("comm", "name", "op", "algorithm", "c", "inb", "outb", "res", "count", "shape")
+
+    def __init__(self, comm, name, op, algorithm, c, inb, outb, res, count, shape):
+        self.comm, self.name, self.op, self.algorithm, self.c = comm, name, op, algorithm, c
+        self.inb, self.outb, self.res, self.count, self.shape = inb, outb, res, count, shape
+
+    def __call__(self):
+        comm, outb = self.comm, self.outb
+        comm._run_call(self.c, self.inb, outb, self.count, self.shape)
+        if self.c.avg:
+            np.true_divide(outb, comm.size, out=outb)        # outb /= size
+        return self.res
+
+    def inline(self):
+        self.comm._run_now(self.name, self.c, self.inb, self.outb, self.count, self.shape)
+        return self.res
+
+
 class Collectives:
     """The nine collectives (module doc): allreduce, reduce, broadcast, allgather, gather,
     reduce_scatter, alltoall, scatter, barrier."""
@@ -85,44 +109,52 @@ class Collectives:
             outb = res if res.ndim == 1 else res.reshape(-1)
             if out is not None and c.separate:
                 inb = self._separate(inb, outb, out)
-        if c.hot and self.small_path and inb.__class__ is not InPlace \
-                and self._guard.acquire(False):
-            # the thread that finds the communicator idle runs the compiled plan itself: the
-            # general path's steps with nothing recomputed (docs/decisions/small-message-path.md)
+        self._run_now(name, c, inb, outb, count, x.shape)
+        return res
+
+    def _run_now(self, name: str, c, inb: np.ndarray, outb: np.ndarray, count: int,
+                  shape) -> None:
+        """Run a bound call on this thread, inside the guard: what a repeated plain call and a
+        persistent request's ``wait`` both end in. An unrooted small call (``Call.hot``) runs
+        its compiled plan right here with its own scratch: the general path's steps with
+        nothing recomputed (docs/decisions/small-message-path.md)."""
+        if not self._guard.acquire(False):
+            self._enter(name)         # a call made by a call, or another thread's: it says so
+            try:
+                self._run_call(c, inb, outb, count, shape)
+            finally:
+                self._exit()
+        else:
             self._busy_thread, self._depth, self.busy_with = get_ident(), 1, name
             self._user_calls += 1
             try:
-                self._seq = seq = self._seq + 1
-                if inb is outb and not c.alias0:
-                    inb = inb.copy()
-                flight, now = self._flight, _monotonic()
-                if flight is not None:        # FlightRecorder.repeat, inlined for its common case
-                    rec = flight.latest
-                    if rec is None or rec[1] is not c or rec[3] is None:
-                        rec = flight.repeat(seq, c, now)
-                    else:
-                        rec[5] += rec[3] - rec[2]
-                        rec[4] += 1
-                        rec[0], rec[2], rec[3] = seq, now, None
-                try:
-                    c.run((inb, outb, c.tmp), self._small_io, c.kernel, self._ctx, seq, c.call,
-                          count, now + self.timeout, c.label, SMALL_SPIN_S)
-                except CommError as e:
-                    self._fail(e)
-                if flight is not None:
-                    rec[3] = _monotonic()
+                if c.hot and self.small_path and inb.__class__ is not InPlace:
+                    self._seq = seq = self._seq + 1
+                    if inb is outb and not c.alias0:
+                        inb = inb.copy()
+                    flight, now = self._flight, _monotonic()
+                    if flight is not None:    # FlightRecorder.repeat, inlined for its common case
+                        rec = flight.latest
+                        if rec is None or rec[1] is not c or rec[3] is None:
+                            rec = flight.repeat(seq, c, now)
+                        else:
+                            rec[5] += rec[3] - rec[2]
+                            rec[4] += 1
+                            rec[0], rec[2], rec[3] = seq, now, None
+                    try:
+                        c.run((inb, outb, c.tmp), self._small_io, c.kernel, self._ctx, seq,
+                              c.call, count, now + self.timeout, c.label, SMALL_SPIN_S)
+                    except CommError as e:
+                        self._fail(e)
+                    if flight is not None:
+                        rec[3] = _monotonic()
+                else:
+                    self._run_call(c, inb, outb, count, shape)
             finally:
                 self._depth, self.busy_with, self._busy_thread = 0, None, None
                 self._guard.release()
-        else:
-            self._enter(name)
-            try:
-                self._run_call(c, inb, outb, count, x.shape)
-            finally:
-                self._exit()
         if c.avg:
             outb /= self.size
-        return res
 
     def _general(self, name: str, x, op, algorithm, root, out, async_op: bool):
         """The general path (module doc): inside the guard, bind the call, then run or submit."""
@@ -134,12 +166,14 @@ class Collectives:
 
     def _bind(self, name: str, x, op, algorithm, root, out):
         """Check a collective's arguments (TypeError / ValueError before any message) and bind
-        them to flat buffers; returns ``run()``, which executes the call and returns its result."""
+        them to flat buffers and their ``Call``; returns ``run()``, which executes the call and
+        returns its result (a ``BoundCall`` where the layout has one)."""
         layout = LAYOUT[name]
         if layout == SCATTER_HEADER:
             return self._bind_scatter(x, root, algorithm, out)
         if layout == NONE:
-            return lambda: self._execute(name, EMPTY, EMPTY, 0, "none", 0, algorithm, EMPTY.shape)
+            c = self._prepare(name, "none", algorithm, EMPTY.dtype, 0, 0)
+            return BoundCall(self, name, "none", algorithm, c, EMPTY, EMPTY, None, 0, EMPTY.shape)
         if name in REDUCING:
             op = _ops.normalize(op)
         if name in ROOTED:
@@ -160,14 +194,8 @@ class Collectives:
             res, outflat = self._make_out(out, shape, arr.dtype, name)
         if name != "broadcast" or self.rank == root:      # a non-root never reads its x
             inflat = self._separate(inflat, outflat, out)
-        avg = op == _ops.AVG and res is not None
-
-        def run():
-            self._execute(name, inflat, outflat, count, op, root, algorithm, arr.shape)
-            if avg:
-                np.true_divide(outflat, size, out=outflat)     # outflat /= size
-            return res
-        return run
+        c = self._prepare(name, op, algorithm, arr.dtype, count, root)
+        return BoundCall(self, name, op, algorithm, c, inflat, outflat, res, count, arr.shape)
 
     def allreduce(self, x, op="sum", algorithm="auto", out=None, async_op=False):
         """Reduce ``x`` elementwise over all ranks with ``op``; every rank gets the result.

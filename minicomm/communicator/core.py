@@ -13,18 +13,20 @@ from .calls import CACHE_ENTRIES, CallPlans
 from .collectives import Collectives
 from .faulttolerance import FaultTolerance
 from .fingerprints import Fingerprints
-from .groups import Groups
+from .grouping import Grouping
 from .lifecycle import COLL, P2P, Lifecycle, context
 from .memory import RegisteredBuffers
 from .objects import ObjectCollectives
 from .observe import Observability
+from .persistent import PersistentCollectives
 from .pointtopoint import PointToPoint
 from .scatter import ScatterHeader
+from .split import Split
 from .uneven import UnevenCollectives
 
 
 class Communicator(Collectives, UnevenCollectives, ScatterHeader, ObjectCollectives,
-                   PointToPoint, Groups,
+                   PersistentCollectives, Grouping, PointToPoint, Split,
                    FaultTolerance, Observability, RegisteredBuffers, CallPlans, Fingerprints,
                    Buffers, Lifecycle):
     """A group of ranks that run collectives together. Create with ``mc.spawn`` or ``mc.init``.
@@ -42,7 +44,8 @@ class Communicator(Collectives, UnevenCollectives, ScatterHeader, ObjectCollecti
     Attributes:
         rank (int): This rank, 0..size-1.
         size (int): The number of ranks.
-        group (tuple): The world rank of each rank.
+        world_ranks (tuple): The world rank of each rank (``world_ranks[comm.rank]`` is this
+            rank's).
         topology (tuple): The node of each rank (nodes numbered 0..k-1 in order of first
             appearance).
         node (int): This rank's node.
@@ -62,7 +65,7 @@ class Communicator(Collectives, UnevenCollectives, ScatterHeader, ObjectCollecti
         (True, 2)
     """
 
-    def __init__(self, transport, rank: int, size: int, *, group: Optional[Sequence[int]] = None,
+    def __init__(self, transport, rank: int, size: int, *, world_ranks: Optional[Sequence[int]] = None,
                  topology: Optional[Sequence[int]] = None, comm_id: int = 1,
                  timeout: Optional[float] = None, check: Optional[str] = None,
                  link_model: Optional[LinkModel] = None, _owner: bool = True,
@@ -70,7 +73,7 @@ class Communicator(Collectives, UnevenCollectives, ScatterHeader, ObjectCollecti
         self.transport = transport
         self.caps = capabilities_of(transport) if _caps is None else _caps
         self.rank, self.size = rank, size
-        self.group = tuple(group) if group is not None else tuple(range(size))
+        self.world_ranks = tuple(world_ranks) if world_ranks is not None else tuple(range(size))
         topo = tuple(topology) if topology is not None else (0,) * size
         # Node ids renumbered 0..k-1 in order of first appearance, so every rank agrees.
         remap: Dict[int, int] = {}
@@ -90,7 +93,7 @@ class Communicator(Collectives, UnevenCollectives, ScatterHeader, ObjectCollecti
         self.channels = env_channels()     # a ring's channel count (MINICOMM_CHANNELS)
         self._ctx = context(comm_id, COLL)
         capacity = record_capacity()
-        self._flight = FlightRecorder(capacity, comm_id, rank, self.group) if capacity else None
+        self._flight = FlightRecorder(capacity, comm_id, rank, self.world_ranks) if capacity else None
         self._init_lifecycle(_owner)
         self._init_fingerprints(CACHE_ENTRIES)
         self._init_scatter()
@@ -98,7 +101,7 @@ class Communicator(Collectives, UnevenCollectives, ScatterHeader, ObjectCollecti
         self._innet_refused = False       # auto stops asking the switch once it declined
         self._innet_used = False          # this communicator holds a group on the switch
         self._init_calls(link_model)      # sets link_model, which clears the scatter plans too
-        self._p2p = P2PEngine(transport, rank, self.group, context(comm_id, P2P))
+        self._p2p = P2PEngine(transport, rank, self.world_ranks, context(comm_id, P2P))
 
     def __repr__(self):
         return (f"<Communicator rank {self.rank}/{self.size} node {self.node}/{self.num_nodes} "

@@ -189,7 +189,7 @@ class FaultTolerance:
         return set(self._agreed_failed) | self._seen_dead | links
 
     def _rank_of(self, world: Optional[int]) -> Optional[int]:
-        return self.group.index(world) if world in self.group else None
+        return self.world_ranks.index(world) if world in self.world_ranks else None
 
 
 class _Agreement:
@@ -214,7 +214,7 @@ class _Agreement:
     # --- messages: kind, ballot, a decision, an accepted (ballot, decision), a rank set
     def post(self, r: int) -> None:
         buf = np.empty(self.width, dtype=np.int64)
-        self.recvs[r] = (self.t.irecv(self.comm.group[r], buf, self.tag), buf)
+        self.recvs[r] = (self.t.irecv(self.comm.world_ranks[r], buf, self.tag), buf)
 
     def send(self, r: int, kind: int, ballot: int, dec: Optional[Decision],
              acc=(-1, None), flags=()) -> None:
@@ -234,7 +234,7 @@ class _Agreement:
         if flags:
             msg[[_HEAD + i for i in flags]] = 1
         try:
-            self.sends.append(self.t.isend(self.comm.group[r], msg, self.tag))
+            self.sends.append(self.t.isend(self.comm.world_ranks[r], msg, self.tag))
         except (PeerFailure, OSError):
             self.failed.add(r)        # that link is gone
 
@@ -291,7 +291,7 @@ class _Agreement:
                 self.proposal = best[1]
             else:
                 value = all(self.reports[r][0] for r in self.reports if r not in self.failed)
-                new_id = ((self.comm.group[me] + 1) * SPLIT_BASE
+                new_id = ((self.comm.world_ranks[me] + 1) * SPLIT_BASE
                           + next(id_counter) % SPLIT_BASE)
                 self.proposal = (value, frozenset(self.failed), new_id)
             self.accepted, self.acks = (me, self.proposal), {me}

@@ -75,7 +75,7 @@ class Fingerprints:
         receives data from are posted now (their fingerprint is checked before their data is
         waited for); the others' when the call ends (``LazyCheck.later``)."""
         tag, mine, rows, check = self._fingerprint_exchange(call, count, shape)
-        t, group = self.transport, self.group
+        t, group = self.transport, self.world_ranks
         others = [r for r in range(self.size) if r != self.rank]
         sends = [t.isend(group[r], mine, tag) for r in others]   # 24 bytes: eager
         heard = plan.recv_peers

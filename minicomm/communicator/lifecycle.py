@@ -9,6 +9,7 @@ communicator's messages, and every later call raises.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
@@ -176,8 +177,15 @@ class Lifecycle:
         # one worker thread that runs the queued calls in program order
         self._qlock = threading.Lock()
         self._queue: "queue.Queue" = queue.Queue()
-        self._pending = 0
+        self._pending = 0             # queued work, started requests and an open group
         self._worker: Optional[threading.Thread] = None
+        # persistent requests started and not yet run, in start order (persistent.py); the
+        # next call of any kind hands them to the worker first
+        self._started: "collections.deque" = collections.deque()
+        # comm.group() or *_init: what the general path gives a bound call to, instead of
+        # running it (grouping.py, persistent.py)
+        self._intercept = None
+        self._batch = None            # the open comm.group()'s held calls (grouping.py)
         # one user thread at a time (MPI_THREAD_SERIALIZED), checked by _enter/_exit
         self._guard = threading.Lock()
         self._busy_thread: Optional[int] = None
@@ -196,7 +204,7 @@ class Lifecycle:
 
     def _log(self, msg: str) -> None:
         if self.debug_info:
-            print(f"[minicomm rank {self.group[self.rank]}] {msg}", file=sys.stderr, flush=True)
+            print(f"[minicomm rank {self.world_ranks[self.rank]}] {msg}", file=sys.stderr, flush=True)
 
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout
@@ -212,6 +220,8 @@ class Lifecycle:
             self._depth, self.busy_with = 1, what
             if what in USER_COLLECTIVES:
                 self._user_calls += 1
+            if self._started:
+                self._launch_started()        # started requests go before this call
             return
         if self._busy_thread == get_ident():
             self._depth += 1          # a call made by a call (object collectives, split)
@@ -254,7 +264,7 @@ class Lifecycle:
         skip = getattr(error, "peer", None)
         # a revoke also reaches members blocked in point-to-point calls of this communicator
         contexts = (self._ctx, self._p2p.ctx) if isinstance(error, Revoked) else (self._ctx,)
-        for r, peer in enumerate(self.group):
+        for r, peer in enumerate(self.world_ranks):
             if r == self.rank or peer == skip:
                 continue
             for ctx in contexts:
@@ -283,7 +293,7 @@ class Lifecycle:
 
     def _dump_flight(self, reason: str, directory: Optional[str] = None) -> list:
         """Dump the records of every communicator of this rank; the paths written."""
-        return flightrecord.dump(reason, flightrecord.recorders_of(self.group[self.rank]),
+        return flightrecord.dump(reason, flightrecord.recorders_of(self.world_ranks[self.rank]),
                                  directory)
 
     def _number(self, e: BaseException) -> None:
@@ -313,18 +323,22 @@ class Lifecycle:
         """Run ``fn`` now (sync) or on this communicator's worker thread (async), keeping the
         program order of calls: a sync call issued after async ones waits for them."""
         self._usable(description)
+        if self._intercept is not None:
+            return self._intercept(description, fn)
         if not async_op:
             if self._pending == 0:
                 return fn()
             return self._enqueue(description, fn).wait()
         return self._enqueue(description, fn)
 
-    def _enqueue(self, description: str, fn) -> Work:
+    def _enqueue(self, description: str, fn, counted: bool = False) -> Work:
+        """Queue ``fn`` for the worker; ``counted``: ``_pending`` counts it already (a started
+        request)."""
         work = Work(description)
         number = self._user_calls     # this call's: submitted in program order, run later
         rec = None if self._flight is None else self._flight.queued(description)
         with self._qlock:
-            self._pending += 1
+            self._pending += 0 if counted else 1
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work_loop, daemon=True,
                                                 name=f"minicomm-comm{self.comm_id}-r{self.rank}")
@@ -400,6 +414,8 @@ class Lifecycle:
         busy = self._busy_thread
         if busy is not None and busy != get_ident():
             self._stop_running_call()
+        if self._started:
+            self._launch_started()    # started requests run (or fail) before the release
         self._stop_worker()
         if self.debug_info and self._flight is not None:
             self._log_stats()         # the Observability mixin's (the composed class has it)
@@ -439,7 +455,7 @@ class Lifecycle:
         """A split communicator drops its contexts; the world closes its transport and store."""
         sw = self._switch
         if sw is not None and self._innet_used:
-            sw.release(self._ctx, self.group)    # the switch's aggregation group is free again
+            sw.release(self._ctx, self.world_ranks)    # the switch's aggregation group is free again
         if not self._owner:
             closed = CommError("communicator is closed")
             self.transport.cancel_context(self._ctx, closed)     # drop what peers still send

@@ -145,7 +145,7 @@ class Observability:
 
     def _gather_arrivals(self, seq: int, limit: float) -> List[int]:
         """Rank 0: wait for every arrival until the deadline; release who came; the missing."""
-        t, group = self.transport, self.group
+        t, group = self.transport, self.world_ranks
         deadline = time.monotonic() + limit
         what = f"monitored_barrier #{seq}"
         got = {r: t.irecv(group[r], np.empty(0, np.uint8), self._monitored_tag(seq, ARRIVE))
@@ -165,7 +165,7 @@ class Observability:
 
     def _await_release(self, seq: int, limit: float) -> List[int]:
         """Any other rank: arrive, then wait for rank 0's release; the ranks it names missing."""
-        t, root = self.transport, self.group[0]
+        t, root = self.transport, self.world_ranks[0]
         what = f"monitored_barrier #{seq} (waiting for rank 0's release)"
         t.wait_all([t.isend(root, np.empty(0, np.uint8), self._monitored_tag(seq, ARRIVE))],
                    time.monotonic() + self.timeout, what)

@@ -80,7 +80,7 @@ class PointToPoint:
                             self._p2p_ended(rec, e)
                             raise
                     except CommError as e:
-                        work._finish(error=translate_peer(e, self.group))
+                        work._finish(error=translate_peer(e, self.world_ranks))
                         self._p2p_ended(rec, e)
             finally:
                 self._exit()
@@ -176,7 +176,8 @@ class PointToPoint:
             >>> y - 10 * (1 - comm.rank)
             array([0, 1, 2])
         """
-        return self._isend(x, dst, tag)
+        work = self._isend(x, dst, tag)
+        return work if self._batch is None else self._hold_p2p(work)
 
     @serialized("send")
     def send(self, x, dst: int, tag: int = 0) -> None:
@@ -188,7 +189,8 @@ class PointToPoint:
             tag (int): An int in 0..MAX_TAG (2**31 - 1) the receiver matches on.
 
         Returns:
-            (None): Once the message is on its way (a large one: once the receiver took it).
+            (None): Once the message is on its way (a large one: once the receiver took it);
+                inside ``comm.group()``, a ``Work`` at once, done at the group's exit.
 
         Raises:
             TypeError: A non-numeric ``x``.
@@ -203,7 +205,10 @@ class PointToPoint:
             >>> comm.rank == 0 or y.tolist() == [0, 1, 2]
             True
         """
-        self._isend(x, dst, tag).wait()
+        work = self._isend(x, dst, tag)
+        if self._batch is not None:
+            return self._hold_p2p(work)       # inside comm.group(): done at its exit
+        work.wait()
 
     @serialized("irecv")
     def irecv(self, src: int, tag: int = 0, out=None) -> Work:
@@ -232,7 +237,8 @@ class PointToPoint:
             >>> w.status.source == 1 - comm.rank
             True
         """
-        return self._irecv(src, tag, out)[0]
+        work = self._irecv(src, tag, out)[0]
+        return work if self._batch is None else self._hold_p2p(work)
 
     @serialized("recv")
     def recv(self, src: int, tag: int = 0, out=None, status: Optional[Status] = None,
@@ -252,7 +258,8 @@ class PointToPoint:
                 this receive only, not the communicator.
 
         Returns:
-            (np.ndarray): The received array (``out`` if given).
+            (np.ndarray): The received array (``out`` if given); inside ``comm.group()``, a
+                ``Work`` at once whose ``wait()`` returns it after the group's exit.
 
         Raises:
             TypeError: ``out`` is not a numpy array, or does not fit the message.
@@ -269,4 +276,7 @@ class PointToPoint:
             >>> (st.source, st.tag, int(y[0])) == (1 - comm.rank, 3, 1 - comm.rank)
             True
         """
+        if self._batch is not None:           # inside comm.group(): done at its exit
+            timeout_arg("recv: timeout", timeout)
+            return self._hold_p2p(self._irecv(src, tag, out)[0], status)
         return self._recv(src, tag, out, status, timeout)

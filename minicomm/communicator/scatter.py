@@ -143,7 +143,7 @@ class ScatterHeader:
         which the rank may not know yet; the rows compare the rest. Returns the call
         (``Call``), its dtype, count and shape, and ``finish()``, which takes and compares the
         rows due after the data and waits for this rank's sends."""
-        size, me, group, t = self.size, self.rank, self.group, self.transport
+        size, me, group, t = self.size, self.rank, self.world_ranks, self.transport
         seq = self._next_seq()
         tag = new_tag(Tag, (self._ctx, seq, 0, scatter_header_call(root), HEADER_WORDS))
         deadline, what = self._deadline(), f"scatter #{seq} (its header)"
@@ -215,7 +215,7 @@ class ScatterHeader:
         mine.flags.writeable = False
         heard, me = c.plan.recv_peers, self.rank
         first = tuple(r for r in sorted(range(self.size), key=lambda r: r != root)
-                      if r != me and (self.check == "full" or self.group[r] in heard))
+                      if r != me and (self.check == "full" or self.world_ranks[r] in heard))
         rest = tuple(r for r in range(self.size) if r != me and r not in first)
         h = HeaderPlan(c, count, shape, mine, mine[:3].tobytes(), first, rest,
                        tuple(r for r in first if r != root), tuple(r for r in rest if r != root))

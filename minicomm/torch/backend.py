@@ -54,13 +54,13 @@ def on_transport(world: Communicator, ranks: Sequence[int], rank: int, ts: Torch
     built on the world's transport by the members alone: the lowest member allocates the ids
     and publishes them in the group's own store."""
     if rank == 0:
-        base = _TORCH_IDS + ((world.group[world.rank] + 1) << 24)
+        base = _TORCH_IDS + ((world.world_ranks[world.rank] + 1) << 24)
         ids = [base + next(_id_counter) % (1 << 24) for _ in range(count)]
         ts.set("ids", json.dumps(ids).encode())
     ids = json.loads(ts.get("ids").decode())
-    group = [world.group[r] for r in ranks]
+    group = [world.world_ranks[r] for r in ranks]
     # _owner=False: the world owns the transport; closing these must not close it
-    return [Communicator(world.transport, rank, len(ranks), group=group,
+    return [Communicator(world.transport, rank, len(ranks), world_ranks=group,
                          topology=[world.topology[r] for r in ranks], comm_id=int(cid),
                          timeout=timeout, check=world.check, link_model=world.link_model,
                          _owner=False) for cid in ids]

@@ -7,9 +7,9 @@ of the input before the sum.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+import contextlib
+from typing import List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 
 from ..communicator import Communicator
@@ -19,25 +19,47 @@ Op = Tuple[object, object]          # (minicomm op, PREMUL_SUM factor or None)
 Layout = Tuple[List[int], int]      # (rows per rank, elements per row)
 
 
+def grouped(comm: Communicator, calls: int):
+    """Several calls: one ``comm.group()`` (allreduces fused by op and dtype); one: as is."""
+    return comm.group() if calls > 1 else contextlib.nullcontext()
+
+
 def allreduce(comm: Communicator, tensors: Sequence[torch.Tensor], ops: Sequence[Op]) -> None:
-    for t, (op, factor) in zip(tensors, ops):
-        b = FlatView(t)
-        if factor is not None:
-            b.array *= factor
-        comm.allreduce(b.array, op=op, out=b.array)
+    """Each tensor reduced in place; several (a list, ``allreduce_coalesced``) in one group."""
+    views = [FlatView(t) for t in tensors]
+    with grouped(comm, len(views)):
+        for b, (op, factor) in zip(views, ops):
+            if factor is not None:
+                b.array *= factor
+            comm.allreduce(b.array, op=op, out=b.array)
+    for b in views:
         b.store()
 
 
-def allreduce_coalesced(comm: Communicator, by_dtype: Dict[np.dtype, List[torch.Tensor]],
-                        ops: Dict[np.dtype, Op]) -> None:
-    """One allreduce per dtype over that dtype's tensors packed end to end."""
-    for dt, ts in by_dtype.items():
-        op, factor = ops[dt]
-        flat = pack(ts, dt)
-        if factor is not None:
-            flat *= factor
-        comm.allreduce(flat, op=op, out=flat)
-        unpack(flat, ts)
+def all_gather_single_coalesced(comm: Communicator, outputs: Sequence[torch.Tensor],
+                                inputs: Sequence[torch.Tensor]) -> None:
+    """One ``all_gather_into_tensor`` per pair, in one group."""
+    views = [(FlatView(o, load=False), FlatView(i)) for o, i in zip(outputs, inputs)]
+    with grouped(comm, len(views)):
+        for bo, bi in views:
+            comm.allgather(bi.array, out=bo.array.reshape(comm.size, -1))
+    for bo, _ in views:
+        bo.store()
+
+
+def reduce_scatter_single_coalesced(comm: Communicator, outputs: Sequence[torch.Tensor],
+                                    inputs: Sequence[torch.Tensor], ops: Sequence[Op]) -> None:
+    """One ``reduce_scatter_tensor`` per pair, in one group."""
+    views = []
+    for o, i, (op, factor) in zip(outputs, inputs, ops):
+        bi = FlatView(i)
+        views.append((FlatView(o, load=False), bi.array * factor if factor is not None
+                      else bi.array, op))
+    with grouped(comm, len(views)):
+        for bo, src, op in views:
+            comm.reduce_scatter(src.reshape(comm.size, -1), op=op, out=bo.array)
+    for bo, _, _ in views:
+        bo.store()
 
 
 def broadcast(comm: Communicator, tensors: Sequence[torch.Tensor], root: int) -> None:

@@ -35,7 +35,6 @@ group has no C++ backend to hold it, so ``group_name``, ``_set_group_name`` and 
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import threading
@@ -93,7 +92,7 @@ class MinicommProcessGroup(dist.ProcessGroup):
         self._coll, self._p2p_comm = coll, p2p
         self._owned = list(owned)              # closed by shutdown(), in this order
         self._timeout = timeout
-        self._runner = CollectiveRunner(f"r{coll.group[coll.rank]}-c{coll.comm_id}", timeout)
+        self._runner = CollectiveRunner(f"r{coll.world_ranks[coll.rank]}-c{coll.comm_id}", timeout)
         self._p2p_lock = threading.Lock()
         self._group_name = ""
         self._group_desc = "undefined"
@@ -234,7 +233,7 @@ class MinicommProcessGroup(dist.ProcessGroup):
                             opts=opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
-        """One allreduce per dtype over the tensors packed end to end.
+        """The tensors reduced in place in one ``comm.group()``: fused by dtype (and op).
 
         Args:
             tensors (list[torch.Tensor]): The tensors, reduced in place.
@@ -253,12 +252,9 @@ class MinicommProcessGroup(dist.ProcessGroup):
         """
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         tensors = check_list(tensors, "allreduce_coalesced")
-        by_dtype: "collections.OrderedDict" = collections.OrderedDict()
-        for t in tensors:
-            by_dtype.setdefault(np_dtype(t), []).append(t)
-        ops = {dt: reduce_op(opts, dt, "allreduce_coalesced") for dt in by_dtype}
-        return self._launch("allreduce_coalesced", tensors, collectives.allreduce_coalesced,
-                            by_dtype, ops, opts=opts)
+        ops = [reduce_op(opts, np_dtype(t), "allreduce_coalesced") for t in tensors]
+        return self._launch("allreduce_coalesced", tensors, collectives.allreduce, tensors, ops,
+                            opts=opts)
 
     # ---- broadcast / reduce
     def broadcast(self, tensors, opts=None):
@@ -402,7 +398,7 @@ class MinicommProcessGroup(dist.ProcessGroup):
         return works[-1] if works else DoneWork([])
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        """One ``all_gather_into_tensor`` per pair; the work of the last.
+        """One ``all_gather_into_tensor`` per pair, in one ``comm.group()``; one work.
 
         Args:
             outputs (list[torch.Tensor]): Per input, ``size`` times its elements.
@@ -420,8 +416,13 @@ class MinicommProcessGroup(dist.ProcessGroup):
             CommError: The group is broken or shut down (a failure of the collective itself fails
                 the work instead).
         """
-        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return works[-1] if works else DoneWork([])
+        what = "all_gather_into_tensor_coalesced"
+        for o, i in zip(outputs, inputs):
+            check_tensor(o, what)
+            check_tensor(i, what)
+            check_blocks(o, i, self.size(), what, "output")
+        return self._launch(what, list(outputs), collectives.all_gather_single_coalesced,
+                            list(outputs), list(inputs), opts=opts)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -490,7 +491,7 @@ class MinicommProcessGroup(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        """One ``reduce_scatter_tensor`` per pair; the work of the last.
+        """One ``reduce_scatter_tensor`` per pair, in one ``comm.group()``; one work.
 
         Args:
             outputs (list[torch.Tensor]): The results.
@@ -508,8 +509,16 @@ class MinicommProcessGroup(dist.ProcessGroup):
             CommError: The group is broken or shut down (a failure of the collective itself fails
                 the work instead).
         """
-        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return works[-1] if works else DoneWork([])
+        what = "reduce_scatter_tensor_coalesced"
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        ops = []
+        for o, i in zip(outputs, inputs):
+            check_tensor(o, what)
+            check_tensor(i, what)
+            check_blocks(i, o, self.size(), what, "input")
+            ops.append(reduce_op(opts, np_dtype(o), what))
+        return self._launch(what, list(outputs), collectives.reduce_scatter_single_coalesced,
+                            list(outputs), list(inputs), ops, opts=opts)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 

@@ -259,7 +259,7 @@ def agree_link_model(comm, intra: str, inter: str) -> LinkModel:
         # rank 0's pairs), else the transport kind's default
         single = comm.caps.single_copy
         peers = set(single.single_copy_peers()) if single is not None else set()
-        local = [comm.group[r] for r in range(1, size) if topo[r] == topo[0]]
+        local = [comm.world_ranks[r] for r in range(1, size) if topo[r] == topo[0]]
         payload["single_copy"] = ((single.single_copy_from() if single is not None else 0)
                                   or SINGLE_COPY_MIN.get(intra, 0)) if all(
             r in peers for r in local) else 0
@@ -294,7 +294,7 @@ def _pair(comm, peer: int, comm_id: int):
     """The two-rank communicator (world rank 0, ``peer``) over the world's transport. Only the two
     build it: unlike split(), the other ranks take no part."""
     ranks = (0, peer)
-    pair = Communicator(comm.transport, ranks.index(comm.rank), 2, group=ranks,
+    pair = Communicator(comm.transport, ranks.index(comm.rank), 2, world_ranks=ranks,
                         topology=[comm.topology[r] for r in ranks], comm_id=comm_id,
                         timeout=comm.timeout, link_model=comm.link_model, _owner=False)
     pair.small_path = True        # as untraced calls run, even with MINICOMM_TRACE set

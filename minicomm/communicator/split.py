@@ -10,7 +10,7 @@ from ..window import Window
 from .lifecycle import SPLIT_BASE, id_counter, serialized
 
 
-class Groups:
+class Split:
     """split and window (module doc)."""
 
     @serialized("split")
@@ -46,7 +46,7 @@ class Groups:
         ranks = [r for _, r in members]
         mine = -1                     # the group's number, allocated by its lowest rank
         if ranks and self.rank == min(ranks):
-            mine = (self.group[self.rank] + 1) * SPLIT_BASE + next(id_counter) % SPLIT_BASE
+            mine = (self.world_ranks[self.rank] + 1) * SPLIT_BASE + next(id_counter) % SPLIT_BASE
         ids = self.allgather(np.array([mine], dtype=np.int64))
         return None if color < 0 else self._subgroup(ranks, int(ids[min(ranks), 0]))
 
@@ -64,7 +64,7 @@ class Groups:
         """The communicator of ``ranks`` (of this one) numbered ``comm_id``, on this transport;
         ``owner``: it closes the transport (shrink hands a world's ownership on)."""
         new = type(self)(self.transport, ranks.index(self.rank), len(ranks),
-                         group=[self.group[r] for r in ranks],
+                         world_ranks=[self.world_ranks[r] for r in ranks],
                          topology=[self.topology[r] for r in ranks], comm_id=comm_id,
                          timeout=self.timeout, check=self.check, link_model=self.link_model,
                          _owner=owner, _caps=self.caps)
