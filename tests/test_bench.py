@@ -323,3 +323,229 @@ def test_registered_buffers_over_shm_check_clean(tmp_path):
     rows = data["rows"]
     assert {r["collective"] for r in rows} == set(COLLECTIVES)
     assert _all_wrong(rows) == 0 and all(r["wrong"] == 0 for r in rows)
+
+
+# ---------------------------------------------------------------------------- --persistent, --group
+def _same_argument(x, y) -> bool:
+    """Two call arguments are the same: arrays the same view of the same memory (not a copy),
+    lists item by item, anything else equal."""
+    if isinstance(x, np.ndarray):
+        return isinstance(y, np.ndarray) and x.shape == y.shape and x.dtype == y.dtype \
+            and x.__array_interface__["data"] == y.__array_interface__["data"]
+    if isinstance(x, (list, tuple)):
+        return isinstance(y, (list, tuple)) and len(x) == len(y) \
+            and all(map(_same_argument, x, y))
+    return x is y or x == y
+
+
+def test_persistent_requests_are_made_from_the_plain_calls_arguments():
+    """--persistent makes ``comm.<collective>_init`` with exactly what the plain call passes
+    (the same arrays, the same keywords), once; the timed call is start() + wait()."""
+    class Request:
+        def __init__(self):
+            self.log = []
+
+        def start(self):
+            self.log.append("start")
+
+        def wait(self):
+            self.log.append("wait")
+
+        def free(self):
+            self.log.append("free")
+
+    class Recorder:
+        size, rank = 2, 0
+
+        def __init__(self):
+            self.seen = []
+
+        def __getattr__(self, name):
+            def call(*args, **kw):
+                self.seen.append((name, args, kw))
+                return Request() if name.endswith("_init") else None
+            return call
+
+    for coll in benchspec.BENCHED:
+        case = make_cases(coll, [64], 2, "float32")[0]
+        for inplace in ((False,) if coll in benchspec.UNEVEN + ("barrier",) else (False, True)):
+            b = Buffers(case, "sum", 0, 0)
+            comm = Recorder()
+            runner = bench.MinicommRunner(comm, "ring")
+            runner.prepare(b, inplace, "sum", 0).op()
+            call = runner.prepare_persistent(b, inplace, "sum", 0)
+            (plain, pargs, pkw), (init, iargs, ikw) = comm.seen
+            assert init == plain + "_init" == coll + "_init", (coll, inplace)
+            assert len(iargs) == len(pargs) and ikw.keys() == pkw.keys()
+            assert _same_argument(list(pargs) + list(pkw.values()),
+                                  list(iargs) + list(ikw.values())), (coll, inplace)
+            assert len(comm.seen) == 2                  # made at prepare, not per call
+            call.op()
+            call.op()
+            call.free()
+            assert len(comm.seen) == 2
+
+
+def test_persistent_rows_time_requests_and_check_clean_inproc(monkeypatch):
+    from minicomm.communicator import persistent
+    starts = []
+    real = persistent.Request.start
+
+    def counted(self):
+        starts.append(self.description)
+        return real(self)
+    monkeypatch.setattr(persistent.Request, "start", counted)
+    rows = bench.run(BenchConfig(collectives=["allreduce", "broadcast", "reduce_scatter",
+                                              "barrier", "alltoallv"],
+                                 sizes=[8, 1000], nranks=3, transport="inproc", root=1,
+                                 algorithms=["ring", "auto"], persistent=True, quiet=True,
+                                 **QUICK))
+    assert len(rows) == 4 * 2 * 2 + 2
+    assert _all_wrong(rows) == 0 and all(r["wrong"] == 0 for r in rows)
+    assert all(r["mode"] == "persistent" and r["time_us"] > 0 for r in rows)
+    # 3 ranks x 2 algorithms x (warm-up 1 + 2 batches x 2 iters + check 1) per placement and
+    # size: 3 collectives x 2 placements x 2 sizes, barrier once, alltoallv out of place only
+    assert len(starts) == 3 * 2 * 6 * (3 * 2 * 2 + 1 + 2)
+    assert {s.split("_init")[0] for s in starts} == {"allreduce", "broadcast", "reduce_scatter",
+                                                    "barrier", "alltoallv"}
+
+
+def test_group_times_k_calls_and_checks_every_result_inproc():
+    rows = bench.run(BenchConfig(collectives=["allreduce", "allgather", "reduce", "alltoall"],
+                                 sizes=[8, 4096], nranks=3, transport="inproc", root=2,
+                                 algorithms=["rhd", "auto"], group=4, quiet=True, **QUICK))
+    assert len(rows) == 4 * 2 * 2
+    assert _all_wrong(rows) == 0
+    for r in rows:
+        assert r["mode"] == "group" and r["group"] == 4 and r["time_us"] > 0
+        # algbw counts the group's 4 buffers
+        assert r["algbw"] == pytest.approx(4 * r["size"] / r["time_us"] / 1e3)
+
+
+def test_group_counts_a_wrong_result_in_any_of_its_calls(monkeypatch):
+    """Negative control: the last of the group's 4 results is off by one element per rank."""
+    real = bench.MinicommRunner.prepare_group
+
+    def corrupt(self, bufs, inplace, op, root):
+        call = real(self, bufs, inplace, op, root)
+        inner = call.op
+
+        def op_then_spoil():
+            inner()
+            call.results[-1][0] += 1
+        return benchspec.Call(op_then_spoil, call.barrier, call.result, results=call.results)
+    monkeypatch.setattr(bench.MinicommRunner, "prepare_group", corrupt)
+    rows = bench.run(BenchConfig(collectives=["allreduce"], sizes=[64], nranks=2,
+                                 transport="inproc", group=4, quiet=True, **QUICK))
+    assert rows[0]["wrong"] == 2 and rows[0]["ip_wrong"] == 2
+
+
+def test_group_cli_over_shm_says_times_are_per_group(tmp_path):
+    c = tmp_path / "group.csv"
+    p = _cli("bench", "allreduce,broadcast", "--sizes", "8,4K", "-n", "2", "--transport", "shm",
+             "--group", "4", "--iters", "2", "--warmup", "1", "--batches", "2", "--csv", str(c))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "(per group of 4 calls)" in p.stdout and "(us/grp)" in p.stdout
+    assert "# Out of bounds values : 0 OK" in p.stdout and "FAILED" not in p.stdout
+    with open(c) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 and all(r["mode"] == "group" and r["group"] == "4" for r in rows)
+    assert all(r["wrong"] == "0" and r["ip_wrong"] == "0" for r in rows)
+
+
+def test_persistent_and_group_bad_combinations_exit_cleanly():
+    for args, text in ((("--persistent", "--group", "2"), "separate modes"),
+                       (("--group", "0"), "at least 1"),
+                       (("--group", "2", "--tune"), "does not apply to --tune"),
+                       (("--persistent", "--soak", "1s"), "does not apply to --soak"),
+                       (("pushpull", "--group", "2"), "does not apply to pushpull")):
+        p = _cli("bench", *args)
+        assert p.returncode == 2 and text in p.stderr, (args, p.stderr)
+    with pytest.raises(BenchError, match="separate modes"):
+        BenchConfig(collectives=["allreduce"], sizes=[8], persistent=True, group=2).validate()
+
+
+def test_gloo_has_no_persistent_or_grouped_form(monkeypatch):
+    monkeypatch.setattr(benchspec, "gloo_available", lambda: None)
+    for mode in (dict(persistent=True), dict(group=2)):
+        with pytest.raises(BenchError, match="gloo peer has no"):
+            BenchConfig(collectives=["allreduce"], sizes=[8], peers=["gloo"], **mode).validate()
+
+
+def test_mpi_persistent_and_grouped_calls_pass_the_plain_calls_arguments():
+    """The MPI peer's _spec (what --persistent's <Name>_init and --group's I<name> get) is the
+    call its plain prepare makes, collective by collective, rank by rank."""
+    class FakeMPI:
+        IN_PLACE = object()
+
+    class Recorder:
+        size = 2
+
+        def __init__(self, rank):
+            self.rank, self.seen = rank, []
+
+        def __getattr__(self, name):
+            return lambda *args: self.seen.append((name, args))
+
+        def Barrier(self):
+            self.seen.append(("Barrier", ()))
+
+    for coll in benchspec.BENCHED:
+        case = make_cases(coll, [64], 2, "float32")[0]
+        for inplace in ((False,) if coll in benchspec.UNEVEN + ("barrier",) else (False, True)):
+            for rank in (0, 1):
+                runner = object.__new__(peers.MpiRunner)
+                runner.MPI, runner.c, runner.mpi_op = FakeMPI, Recorder(rank), "SUM"
+                b = Buffers(case, "sum", rank, 1)
+                call = runner.prepare(b, inplace, "sum", 1)
+                call.op()
+                (name, args), = runner.c.seen
+                sname, sargs, before, result = runner._spec(b, inplace, 1)
+                where = (coll, inplace, rank)
+                assert sname == name and _same_argument(list(sargs), list(args)), where
+                assert _same_argument(result, call.result)
+                assert (before is not None) == (coll == "broadcast" and not inplace and rank == 1)
+
+
+def test_peer_mpi_persistent_side_by_side():
+    require(peers.mpi_available())
+    rows = bench.run(BenchConfig(collectives=["allreduce", "broadcast", "reduce_scatter"],
+                                 sizes=[8, 4096], nranks=2, transport="shm", peers=["mpi"],
+                                 root=1, persistent=True, quiet=True, **QUICK))
+    assert [r["library"] for r in rows] == ["minicomm", "mpi"] * 6
+    assert _all_wrong(rows) == 0
+    assert all(r["mode"] == "persistent" for r in rows)
+    for r in rows[1::2]:
+        assert r["ratio"] > 0 and r["ip_ratio"] > 0
+
+
+def test_peer_mpi_group_side_by_side():
+    require(peers.mpi_available())
+    rows = bench.run(BenchConfig(collectives=["allreduce", "broadcast", "alltoall"],
+                                 sizes=[4096], nranks=2, transport="shm", peers=["mpi"],
+                                 root=1, group=4, quiet=True, **QUICK))
+    assert [r["library"] for r in rows] == ["minicomm", "mpi"] * 3
+    assert _all_wrong(rows) == 0
+    assert all(r["mode"] == "group" and r["group"] == 4 for r in rows)
+
+
+def test_headers_say_the_mode_and_auto_names_the_fused_allreduces_choice(monkeypatch):
+    class World:
+        size = 2
+
+        def _resolve_algorithm(self, coll, algorithm, nbytes):
+            return f"{coll}@{nbytes}"
+    cfg = BenchConfig(collectives=["allreduce"], sizes=[1024])
+    text = bench.header(dataclasses.replace(cfg, persistent=True), "allreduce", World(), [])
+    assert "(persistent requests)" in text.splitlines()[0] and "start() + wait()" in text
+    text = bench.header(dataclasses.replace(cfg, group=64), "allreduce", World(), [])
+    assert "(per group of 64 calls)" in text.splitlines()[0] and "(us/grp)" in text
+    assert "(us/grp)" not in bench.header(cfg, "allreduce", World(), [])
+    case = make_cases("allreduce", [1024], 2, "float32")[0]
+    assert bench.MinicommRunner(World(), "auto").describe(case) == "auto>allreduce@1024"
+    # a group of 64 runs one fused allreduce of 64 KiB: auto chooses by that
+    assert bench.MinicommRunner(World(), "auto", 64).describe(case) == "auto>allreduce@65536"
+    monkeypatch.setenv("MINICOMM_FUSION_BYTES", "4096")          # 4 calls a fused buffer
+    assert bench.MinicommRunner(World(), "auto", 64).describe(case) == "auto>allreduce@4096"
+    case = make_cases("broadcast", [1024], 2, "float32")[0]       # each runs as itself
+    assert bench.MinicommRunner(World(), "auto", 64).describe(case) == "auto>broadcast@1024"

@@ -25,6 +25,13 @@ link-bound ring would need, comparable across collectives and world sizes. For a
 is its time divided by minicomm's (the ``auto`` row when it runs, else the fastest algorithm):
 above 1, minicomm is faster.
 
+``--persistent`` times persistent requests: each library makes its request once per size and
+placement with the plain call's buffers and arguments (``comm.allreduce_init``; MPI-4's
+``MPI_Allreduce_init``) and every timed call is ``start()`` + ``wait()``. ``--group K`` times
+groups: one ``with comm.group():`` of K calls, each on its own buffers of the row's size (MPI:
+K nonblocking calls, then one ``MPI_Waitall``); the time is that of the whole group, algbw
+counts its K buffers, and every one of the K results is checked. gloo has neither form.
+
 ``--tune`` runs no benchmark: it times every fixed algorithm (those of ``--algorithms``, all by
 default) per collective and size with ``minicomm.tuning.measure_table`` and merges the results
 into the table ``algorithm="auto"`` follows (``tuning.write_table``; its format is documented
@@ -77,8 +84,8 @@ from .benchspec import (
 class MinicommRunner:
     library = "minicomm"
 
-    def __init__(self, comm, algorithm: str):
-        self.comm, self.algorithm = comm, algorithm
+    def __init__(self, comm, algorithm: str, group: int = 0):
+        self.comm, self.algorithm, self.group = comm, algorithm, group
         self.label = algorithm
 
     def describe(self, case: Case) -> str:
@@ -86,13 +93,56 @@ class MinicommRunner:
             return self.algorithm
         if case.collective == "alltoallv":
             return "auto>ring"            # recv_counts given: a pairwise family (uneven.py)
-        return "auto>" + self.comm._resolve_algorithm(case.collective, None, case.call_nbytes)
+        return "auto>" + self.comm._resolve_algorithm(case.collective, None,
+                                                      self._call_nbytes(case))
+
+    def _call_nbytes(self, case: Case) -> int:
+        """The bytes auto chooses by: the call's; under ``--group K``, a group's allreduces are
+        fused into one of up to K calls' bytes (at most MINICOMM_FUSION_BYTES a buffer)."""
+        nbytes = case.call_nbytes
+        if self.group > 1 and case.collective == "allreduce" and nbytes:
+            from ..communicator.grouping import fusion_bytes
+            limit = fusion_bytes()
+            if limit:
+                nbytes *= max(1, min(self.group, limit // nbytes))
+        return nbytes
 
     def supports(self, collective: str, inplace: bool) -> bool:
         return not (inplace and collective in UNEVEN)
 
     def prepare(self, b: Buffers, inplace: bool, op: str, root: int) -> Call:
-        comm, a, coll = self.comm, self.algorithm, b.case.collective
+        return self._bind(self.comm, b, inplace, op, root)
+
+    def prepare_persistent(self, b: Buffers, inplace: bool, op: str, root: int) -> Call:
+        """``--persistent``: the request ``comm.<collective>_init`` makes from the very
+        arguments ``prepare``'s call passes (``_bind`` run on the communicator's ``_init``
+        forms), created once; the timed call is ``req.start(); req.wait()``."""
+        coll = b.case.collective
+        if not callable(getattr(self.comm, coll + "_init", None)):
+            raise BenchError(f"--persistent: this communicator has no {coll}_init")
+        req = self._bind(_Initiating(self.comm), b, inplace, op, root).op()
+        start, wait = req.start, req.wait
+
+        def f():
+            start()
+            wait()
+        return Call(f, self.comm.barrier, b.default_result(inplace), free=req.free)
+
+    def prepare_group(self, bufs: Sequence[Buffers], inplace: bool, op: str, root: int) -> Call:
+        """``--group K``: one ``with comm.group():`` holding ``prepare``'s call once on each of
+        the K buffer sets; the timed call is the whole group (at its exit all K are done)."""
+        calls = [self.prepare(b, inplace, op, root) for b in bufs]
+        ops, group = [c.op for c in calls], self.comm.group
+
+        def f():
+            with group():
+                for one in ops:
+                    one()
+        return Call(f, self.comm.barrier, calls[0].result, results=[c.result for c in calls])
+
+    def _bind(self, comm, b: Buffers, inplace: bool, op: str, root: int) -> Call:
+        """The call on ``b``'s buffers (``comm``: the communicator, or ``_Initiating``)."""
+        a, coll = self.algorithm, b.case.collective
         n, r = comm.size, comm.rank
         is_root = r == root
         src = b.ip if inplace else b.send
@@ -148,6 +198,21 @@ class MinicommRunner:
         pass
 
 
+class _Initiating:
+    """A communicator seen through its persistent forms: ``x.allreduce(...)`` is
+    ``comm.allreduce_init(...)`` (every benchmarked collective, barrier too); anything else is
+    the communicator's own. ``MinicommRunner._bind`` on it makes the request the plain call
+    would be, with the same buffers and arguments."""
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def __getattr__(self, name):
+        if name in BENCHED:
+            return getattr(self._comm, name + "_init")
+        return getattr(self._comm, name)
+
+
 # ------------------------------------------------------------------------ the rank side
 class Watchdog:
     """Ends this rank process if a phase makes no progress for ``limit`` seconds: MPI calls have
@@ -190,7 +255,7 @@ def rank_main(comm, cfg: BenchConfig, mpi_comm=None) -> Optional[List[dict]]:
     """Run the whole benchmark on this rank. Rank 0 prints the table and returns the rows."""
     from . import peers as _peers
     watchdog = Watchdog(_progress_limit(cfg, comm), comm.rank, armed=bool(cfg.peers))
-    runners: list = [MinicommRunner(comm, a) for a in cfg.algorithms]
+    runners: list = [MinicommRunner(comm, a, cfg.group) for a in cfg.algorithms]
     try:
         for p in cfg.peers:
             watchdog.tick(f"starting peer {p}")
@@ -245,20 +310,45 @@ def _agree_max(comm, values: Sequence[float]) -> np.ndarray:
 
 
 def _bench_case(comm, cfg: BenchConfig, case: Case, runners, watchdog: Watchdog) -> List[dict]:
-    b = Buffers(case, cfg.op, comm.rank, cfg.root,
-                comm.empty if cfg.registered else page_aligned_empty)
+    # --group K: K buffer sets of the case's size, one per call of the group
+    bufs: List[Buffers] = []
     try:
-        return _bench_buffers(comm, cfg, case, runners, watchdog, b)
+        for _ in range(cfg.group or 1):
+            bufs.append(Buffers(case, cfg.op, comm.rank, cfg.root,
+                                comm.empty if cfg.registered else page_aligned_empty))
+        return _bench_buffers(comm, cfg, case, runners, watchdog, bufs)
     finally:
         if cfg.registered:
             comm.barrier()            # every peer is done reading them
-            for buf in (b.send, b.recv, b.ip):
-                if comm.is_registered(buf):
-                    comm.free(buf)
+            for b in bufs:
+                for buf in (b.send, b.recv, b.ip):
+                    if comm.is_registered(buf):
+                        comm.free(buf)
+
+
+def _prepare(runner, cfg: BenchConfig, bufs: List[Buffers], inplace: bool) -> Call:
+    """The runner's timed call: a plain call, a persistent request (``--persistent``) or a
+    group of K calls on the K buffer sets (``--group``)."""
+    if cfg.group:
+        return runner.prepare_group(bufs, inplace, cfg.op, cfg.root)
+    if cfg.persistent:
+        return runner.prepare_persistent(bufs[0], inplace, cfg.op, cfg.root)
+    return runner.prepare(bufs[0], inplace, cfg.op, cfg.root)
+
+
+def _free(calls, quiet: bool = False) -> None:
+    """Release what the calls hold (``Call.free``: persistent requests)."""
+    for c in calls:
+        if c.free is not None:
+            try:
+                c.free()
+            except Exception:
+                if not quiet:
+                    raise
 
 
 def _bench_buffers(comm, cfg: BenchConfig, case: Case, runners, watchdog: Watchdog,
-                   b: Buffers) -> List[dict]:
+                   bufs: List[Buffers]) -> List[dict]:
     placements = (False,) if case.collective == "barrier" else (False, True)
     nr = len(runners)
     med = np.full((2, nr), np.nan)
@@ -268,59 +358,78 @@ def _bench_buffers(comm, cfg: BenchConfig, case: Case, runners, watchdog: Watchd
     for pi, inplace in enumerate(placements):
         where = f"{case.collective} {case.size} B {'in-place' if inplace else 'out-of-place'}"
         active = [i for i, r in enumerate(runners) if r.supports(case.collective, inplace)]
-        calls = {i: runners[i].prepare(b, inplace, cfg.op, cfg.root) for i in active}
-        # warm up; the warm-up calls after the first estimate the time per call (their median:
-        # one call preempted by another process must not shrink the batches)
-        est = np.zeros(nr)
-        for i in active:
-            watchdog.tick(f"warm-up of {runners[i].label}, {where}")
-            c = calls[i]
-            c.barrier()
-            if cfg.warmup >= 2:        # the first call pays for plans and page faults: untimed
-                c.op()
-                c.barrier()            # on every rank: no timed call waits for a peer's first
-            each = []
-            for _ in range(max(1, cfg.warmup - 1)):
-                t0 = time.perf_counter()
-                c.op()
-                each.append(time.perf_counter() - t0)
-            est[i] = float(np.median(each))
-        if cfg.iters:
-            iters = np.full(nr, cfg.iters, dtype=np.int64)
-        else:
-            est = _agree_max(comm, est)
-            iters = np.array([batch_iters(comm, cfg, calls[i], est[i]) if i in calls else 1
-                              for i in range(nr)], dtype=np.int64)
-        iters_used[pi] = iters
-        times = np.full((nr, cfg.batches), np.nan)
-        for k in range(cfg.batches):           # every library once per round, in turn
+        calls: Dict[int, Call] = {}
+        try:
             for i in active:
-                watchdog.tick(f"batch {k + 1} of {runners[i].label}, {where}")
-                c, it = calls[i], int(iters[i])
-                c.barrier()
-                t0 = time.perf_counter()
-                for _ in range(it):
-                    c.op()
-                times[i, k] = (time.perf_counter() - t0) / it
-        # check: fresh inputs, one call, compare with the closed form
-        mine = np.zeros(nr, dtype=np.int64)
-        for i in active:
-            watchdog.tick(f"check of {runners[i].label}, {where}")
-            b.reset()
-            calls[i].barrier()
-            calls[i].op()
-            mine[i] = b.count_wrong(calls[i].result)
-        wrong[pi] = comm.allreduce(mine, op="sum", algorithm="auto")
-        every = comm.gather(times, root=0, algorithm="auto")     # (ranks, libraries, batches)
-        if comm.rank == 0:
-            slowest = every.max(axis=0)
-            for i in active:
-                med[pi, i] = float(np.median(slowest[i]))
-                batch_times[(pi, i)] = slowest[i].tolist()
+                calls[i] = _prepare(runners[i], cfg, bufs, inplace)
+            _bench_placement(comm, cfg, runners, watchdog, bufs, where, active, calls, pi, med,
+                             wrong, iters_used, batch_times)
+        except BaseException:
+            _free(calls.values(), quiet=True)       # the first error is the one to report
+            raise
+        _free(calls.values())         # persistent requests: released after each placement
         del calls
     if comm.rank != 0:
         return []
     return _rows(cfg, case, comm, runners, placements, med, wrong, iters_used, batch_times)
+
+
+def _bench_placement(comm, cfg: BenchConfig, runners, watchdog: Watchdog, bufs: List[Buffers],
+                     where: str, active: List[int], calls: Dict[int, Call], pi: int,
+                     med: np.ndarray, wrong: np.ndarray, iters_used: np.ndarray,
+                     batch_times: Dict[Tuple[int, int], List[float]]) -> None:
+    """Warm up, size and time the batches, then check, for one placement (``_bench_buffers``)."""
+    nr = len(runners)
+    # warm up; the warm-up calls after the first estimate the time per call (their median:
+    # one call preempted by another process must not shrink the batches)
+    est = np.zeros(nr)
+    for i in active:
+        watchdog.tick(f"warm-up of {runners[i].label}, {where}")
+        c = calls[i]
+        c.barrier()
+        if cfg.warmup >= 2:        # the first call pays for plans and page faults: untimed
+            c.op()
+            c.barrier()            # on every rank: no timed call waits for a peer's first
+        each = []
+        for _ in range(max(1, cfg.warmup - 1)):
+            t0 = time.perf_counter()
+            c.op()
+            each.append(time.perf_counter() - t0)
+        est[i] = float(np.median(each))
+    if cfg.iters:
+        iters = np.full(nr, cfg.iters, dtype=np.int64)
+    else:
+        est = _agree_max(comm, est)
+        iters = np.array([batch_iters(comm, cfg, calls[i], est[i]) if i in calls else 1
+                          for i in range(nr)], dtype=np.int64)
+    iters_used[pi] = iters
+    times = np.full((nr, cfg.batches), np.nan)
+    for k in range(cfg.batches):           # every library once per round, in turn
+        for i in active:
+            watchdog.tick(f"batch {k + 1} of {runners[i].label}, {where}")
+            c, it = calls[i], int(iters[i])
+            c.barrier()
+            t0 = time.perf_counter()
+            for _ in range(it):
+                c.op()
+            times[i, k] = (time.perf_counter() - t0) / it
+    # check: fresh inputs, one call (one group: every one of its K results), compare with the
+    # closed form
+    mine = np.zeros(nr, dtype=np.int64)
+    for i in active:
+        watchdog.tick(f"check of {runners[i].label}, {where}")
+        for b in bufs:
+            b.reset()
+        calls[i].barrier()
+        calls[i].op()
+        mine[i] = sum(b.count_wrong(res) for b, res in zip(bufs, calls[i].all_results()))
+    wrong[pi] = comm.allreduce(mine, op="sum", algorithm="auto")
+    every = comm.gather(times, root=0, algorithm="auto")     # (ranks, libraries, batches)
+    if comm.rank == 0:
+        slowest = every.max(axis=0)
+        for i in active:
+            med[pi, i] = float(np.median(slowest[i]))
+            batch_times[(pi, i)] = slowest[i].tolist()
 
 
 def _rows(cfg, case, comm, runners, placements, med, wrong, iters_used, batch_times) -> List[dict]:
@@ -336,6 +445,10 @@ def _rows(cfg, case, comm, runners, placements, med, wrong, iters_used, batch_ti
                    size=case.size, count=case.count, type=NCCL_TYPE[case.dtype],
                    redop=cfg.op if case.collective in REDUCING else "none",
                    root=cfg.root if case.collective in ROOTED else -1)
+        if cfg.persistent:
+            row["mode"] = "persistent"
+        elif cfg.group:
+            row.update(mode="group", group=cfg.group)     # time_us: per group of K calls
         for pi, inplace in enumerate(placements):
             key = "ip_" if inplace else ""
             t = med[pi, i]
@@ -343,7 +456,8 @@ def _rows(cfg, case, comm, runners, placements, med, wrong, iters_used, batch_ti
                 row.update({key + "time_us": None, key + "algbw": None, key + "busbw": None,
                             key + "wrong": None, key + "ratio": None})
                 continue
-            algbw = case.size / t / 1e9 if t > 0 else 0.0
+            # a group moves K buffers of `size` in `t`
+            algbw = case.size * (cfg.group or 1) / t / 1e9 if t > 0 else 0.0
             row[key + "time_us"] = t * 1e6
             row[key + "algbw"] = algbw
             row[key + "busbw"] = algbw * factor
@@ -363,13 +477,27 @@ def _rows(cfg, case, comm, runners, placements, med, wrong, iters_used, batch_ti
 # ------------------------------------------------------------------------ printing
 def header(cfg: BenchConfig, coll: str, comm, runners) -> str:
     peers = [r for r in runners if r.library != "minicomm"]
-    lines = [f"# minicomm bench {coll}: {comm.size} ranks, {cfg.nodes} node(s), transport "
+    mode = (" (persistent requests)" if cfg.persistent else
+            f" (per group of {cfg.group} calls)" if cfg.group else "")
+    lines = [f"# minicomm bench {coll}{mode}: {comm.size} ranks, {cfg.nodes} node(s), transport "
              f"{cfg.transport}, {cfg.dtype} {cfg.op if coll in REDUCING else ''}".rstrip(),
              f"#   warmup {cfg.warmup}, "
              + (f"{cfg.iters} iterations per batch" if cfg.iters else
                 f"iterations per batch for ~{cfg.batch_time * 1e3:.0f} ms (max {cfg.max_iters})")
              + f", {cfg.batches} batches, libraries in turn; time = median over batches of the"
              " slowest rank"]
+    if cfg.persistent:
+        lines.append("#   persistent requests, made once per size and placement "
+                     "(comm.<collective>_init, MPI_<Collective>_init): each timed call is "
+                     "start() + wait()")
+    elif cfg.group:
+        k = cfg.group
+        fused = " (its allreduces fused into one)" if coll == "allreduce" else ""
+        lines.append(f"#   groups of {k} calls, each on its own buffers of the row's size: "
+                     f"minicomm: one `with comm.group()` of {k} calls{fused}; MPI: {k} "
+                     f"nonblocking calls, then one MPI_Waitall")
+        lines.append(f"#   time is per group of {k} calls (not per call); algbw = {k} x size / "
+                     f"time")
     for p in peers:
         lines.append(f"#   peer {p.label}: {p.version}")
     if peers:
@@ -382,9 +510,10 @@ def header(cfg: BenchConfig, coll: str, comm, runners) -> str:
     cols = (f"# {'size':>10}  {'count':>12}  {'type':>6}  {'redop':>5}  {'root':>4}  {'algo':>12}"
             f"  {'time':>9}  {'algbw':>6}  {'busbw':>6}  {'#wrong':>6}  {'vs mc':>5}"
             f"  {'time':>9}  {'algbw':>6}  {'busbw':>6}  {'#wrong':>6}  {'vs mc':>5}")
+    us = "(us/grp)" if cfg.group else "(us)"       # --group: the time of a whole group
     units = (f"# {'(B)':>10}  {'(elements)':>12}  {'':>6}  {'':>5}  {'':>4}  {'':>12}"
-             f"  {'(us)':>9}  {'(GB/s)':>6}  {'(GB/s)':>6}  {'':>6}  {'':>5}"
-             f"  {'(us)':>9}  {'(GB/s)':>6}  {'(GB/s)':>6}  {'':>6}  {'':>5}")
+             f"  {us:>9}  {'(GB/s)':>6}  {'(GB/s)':>6}  {'':>6}  {'':>5}"
+             f"  {us:>9}  {'(GB/s)':>6}  {'(GB/s)':>6}  {'':>6}  {'':>5}")
     lines += [cols, units]
     return "\n".join(lines)
 
@@ -429,11 +558,13 @@ CSV_FIELDS = ("collective", "library", "algo", "nranks", "nodes", "transport", "
 
 def write_csv(rows: List[dict], path: str) -> None:
     import csv
+    # --persistent / --group rows say so (mode, and group: the calls per timed group)
+    fields = CSV_FIELDS + tuple(k for k in ("mode", "group") if any(k in r for r in rows))
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS})
+            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in fields})
 
 
 def write_json(rows: List[dict], cfg: BenchConfig, path: str) -> None:
@@ -445,9 +576,12 @@ def write_json(rows: List[dict], cfg: BenchConfig, path: str) -> None:
 
 
 def _series_label(row: dict) -> str:
+    mode = {"persistent": " (persistent)", "group": f" (groups of {row.get('group')})"}.get(
+        row.get("mode"), "")
     if row["library"] == "minicomm":
-        return "minicomm " + row["algo"].split(">")[0]
-    return {"mpi": "MPICH (mpi4py)", "gloo": "gloo (torch)"}.get(row["library"], row["library"])
+        return "minicomm " + row["algo"].split(">")[0] + mode
+    return {"mpi": "MPICH (mpi4py)", "gloo": "gloo (torch)"}.get(row["library"],
+                                                                 row["library"]) + mode
 
 
 def plot(rows: List[dict], path: str, title: str = "") -> None:
@@ -604,6 +738,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--registered", action="store_true",
                    help="allocate the buffers with comm.empty (registered memory the node's "
                         "peers map; every library uses the same buffers), as nccl-tests -R")
+    p.add_argument("--persistent", action="store_true",
+                   help="time persistent requests: each library makes its request once per "
+                        "size (comm.<collective>_init; MPI-4 MPI_<Collective>_init) and every "
+                        "timed call is start() + wait()")
+    p.add_argument("--group", type=int, default=None, metavar="K",
+                   help="time groups of K calls, each on its own buffers of the size: one "
+                        "`with comm.group()` of K calls (MPI: K nonblocking calls, then one "
+                        "MPI_Waitall); the time reported is per group")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds without progress before a rank gives up (default 300)")
     p.add_argument("--csv", help="write the rows as CSV")
@@ -634,16 +776,48 @@ def config_from_args(a) -> BenchConfig:
                                parse_size(a.stepbytes))
     except ValueError as e:
         raise BenchError(str(e)) from None
+    group = getattr(a, "group", None)
+    if group is not None and group < 1:
+        raise BenchError(f"--group {group}: the calls per group must be at least 1")
     return BenchConfig(collectives=colls, sizes=sizes,
                        nranks=a.nranks if a.nranks is not None else 2, transport=a.transport,
                        nodes=a.nodes, algorithms=algos, dtype=DTYPES[a.datatype], op=a.op,
                        root=a.root, iters=a.iters, warmup=a.warmup, batches=a.batches,
                        batch_time=a.batch_time,
                        peers=[x.strip() for x in a.peers.split(",") if x.strip()],
-                       timeout=a.timeout, registered=a.registered)
+                       timeout=a.timeout, registered=a.registered,
+                       persistent=getattr(a, "persistent", False), group=group or 0)
+
+
+def _check_modes(a) -> None:
+    """--persistent and --group time the collectives' benchmark only: refuse them elsewhere."""
+    flags = [f for f, on in (("--persistent", getattr(a, "persistent", False)),
+                             ("--group", getattr(a, "group", None) is not None)) if on]
+    if not flags:
+        return
+    what = " and ".join(flags)
+    if len(flags) == 2:
+        raise BenchError("--persistent and --group are separate modes: choose one (a "
+                         "persistent request cannot be started inside comm.group())")
+    if getattr(a, "soak", None):
+        raise BenchError(f"{what} does not apply to --soak (a soak mixes its own calls)")
+    if getattr(a, "tune", False):
+        raise BenchError(f"{what} does not apply to --tune (the table is of single blocking "
+                         f"calls)")
+    if a.collective == "pushpull":
+        raise BenchError(f"{what} does not apply to pushpull")
+    from . import rma_bench
+    if rma_bench.handles([c.strip() for c in a.collective.split(",")],
+                         getattr(a, "transports", None)):
+        raise BenchError(f"{what} does not apply to one-sided ops or --transports")
 
 
 def main_from_cli(a) -> int:
+    try:
+        _check_modes(a)
+    except BenchError as e:
+        print(f"minicomm bench: {e}", file=sys.stderr)
+        return 2
     if getattr(a, "soak", None):
         from .soak import main_from_cli as soak_main
         return soak_main(a)

@@ -33,6 +33,10 @@ BLOCKED_IN = ("reduce_scatter", "scatter", "alltoall")    # input is n blocks of
 BLOCKED_OUT = ("allgather", "gather", "alltoall")         # output is n blocks of `count`
 ROOTED = ("reduce", "broadcast", "gather", "scatter")
 PEERS = ("mpi", "gloo")
+# ``--persistent`` and ``--group``: the collectives both minicomm (``comm.<name>_init``,
+# ``comm.group()``) and the MPI peer (``Comm.<Name>_init``, ``Comm.I<name>`` + ``Waitall``) have
+PERSISTENT_COLLECTIVES = COLLECTIVES + UNEVEN
+GROUPED_COLLECTIVES = COLLECTIVES + UNEVEN       # barrier: K barriers in one group
 DTYPES = {"float": "float32", "float32": "float32", "double": "float64", "float64": "float64",
           "int": "int32", "int32": "int32", "int64": "int64", "uint8": "uint8"}
 OPS = ("sum", "prod", "min", "max", "avg", "band", "bor", "bxor")
@@ -278,10 +282,19 @@ class Buffers:
 @dataclasses.dataclass
 class Call:
     """One library's call on one placement. ``op()`` runs it once, ``barrier()`` is the library's
-    own barrier (batches start after it), ``result`` is where this rank's result lands."""
+    own barrier (batches start after it), ``result`` is where this rank's result lands.
+
+    Under ``--group K``, ``op()`` is one group of K calls and ``results`` holds the K results,
+    one per buffer set, in the order of the buffers. ``free()``, when given, releases what the
+    call holds (persistent requests) once the placement is done."""
     op: object
     barrier: object
     result: Optional[np.ndarray]
+    results: Optional[List[Optional[np.ndarray]]] = None
+    free: Optional[object] = None
+
+    def all_results(self) -> List[Optional[np.ndarray]]:
+        return list(self.results) if self.results is not None else [self.result]
 
 
 # ------------------------------------------------------------------------ configuration
@@ -305,6 +318,13 @@ class BenchConfig:
     timeout: Optional[float] = None
     quiet: bool = False
     registered: bool = False    # buffers from comm.empty (registered memory), for every library
+    persistent: bool = False    # time persistent requests: *_init once, then start(); wait()
+    group: int = 0              # K >= 1: time groups of K calls (comm.group()); 0: single calls
+
+    @property
+    def mode(self) -> Optional[str]:
+        """'persistent', 'group' or None (single blocking calls, the default)."""
+        return "persistent" if self.persistent else "group" if self.group else None
 
     def validate(self) -> None:
         bad = [c for c in self.collectives if c not in BENCHED]
@@ -334,8 +354,30 @@ class BenchConfig:
             raise BenchError("peers need one process per rank: use --transport auto, shm or tcp")
         if self.batches < 1 or self.warmup < 0 or self.iters < 0:
             raise BenchError("--batches must be >= 1, --warmup and --iters >= 0")
+        if self.group < 0:
+            raise BenchError("--group must be at least 1 (the calls per group)")
+        if self.persistent and self.group:
+            raise BenchError("--persistent and --group are separate modes: choose one (a "
+                             "persistent request cannot be started inside comm.group())")
+        if self.mode:
+            flag = "--persistent" if self.persistent else "--group"
+            ok = PERSISTENT_COLLECTIVES if self.persistent else GROUPED_COLLECTIVES
+            bad = [c for c in self.collectives if c not in ok]
+            if bad:
+                raise BenchError(f"{flag} does not apply to {', '.join(bad)}; it takes "
+                                 f"{', '.join(ok)}")
+            if "gloo" in self.peers:
+                form = "persistent collectives" if self.persistent else "grouped form"
+                raise BenchError(f"{flag}: the gloo peer has no {form}; drop it from --peers "
+                                 f"(mpi has both)")
         for p in self.peers:
             check_supported(p, self.op, self.dtype)
+        if self.persistent and "mpi" in self.peers:
+            import mpi4py
+            if int(mpi4py.__version__.split(".")[0]) < 4:
+                raise BenchError(f"--persistent --peers mpi: mpi4py {mpi4py.__version__} has no "
+                                 f"persistent collectives (Comm.Allreduce_init, ...): it needs "
+                                 f"mpi4py >= 4")
 
 
 # ------------------------------------------------------------------------ peers available here

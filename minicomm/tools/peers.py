@@ -70,6 +70,11 @@ class MpiRunner:
         if self.transport == "mpich-tcp":
             self.version += f" over TCP (MPIR_CVAR_NOLOCAL=1, UCX_TLS={os.environ.get('UCX_TLS')})"
         self.mpi_op = getattr(MPI, MPI_OPS[cfg.op])
+        self._requests: list = []          # --persistent: the live requests, freed in turn
+        if cfg.persistent and MPI.Get_version() < (4, 0):
+            raise BenchError(f"--persistent --peers mpi: {self.version} implements MPI "
+                             f"{'.'.join(map(str, MPI.Get_version()))}; persistent collectives "
+                             f"(MPI_Allreduce_init, ...) need MPI 4.0")
 
     def describe(self, case) -> str:
         return "mpi"
@@ -135,8 +140,127 @@ class MpiRunner:
             raise ValueError(coll)
         return Call(f, c.Barrier, result)
 
+    def _spec(self, b: Buffers, inplace: bool, root: int):
+        """The call ``prepare`` makes, as data: (its MPI name, its arguments, the copy made
+        before it or None, where the result lands). ``--persistent`` and ``--group`` pass the
+        same arguments to ``<Name>_init`` and ``I<name>``, which take them as the blocking call
+        does. (``prepare`` keeps its own lambdas: no argument unpacking in the timed call.)"""
+        MPI, c, o = self.MPI, self.c, self.mpi_op
+        coll, r = b.case.collective, c.rank
+        is_root = r == root
+        send, recv, ip = b.send, b.recv, b.ip
+        IP = MPI.IN_PLACE
+        result, before = b.default_result(inplace), None
+        if coll == "allreduce":
+            name, args = "Allreduce", ((IP, ip, o) if inplace else (send, recv, o))
+        elif coll == "reduce":
+            name = "Reduce"
+            if inplace:
+                args = (IP, ip, o, root) if is_root else (ip, None, o, root)
+            else:
+                args = (send, recv if is_root else None, o, root)
+        elif coll == "broadcast":
+            name = "Bcast"
+            if inplace:
+                args = (ip, root)
+            else:
+                args = (recv, root)
+                if is_root:
+                    before = (recv, send)      # np.copyto(recv, send), then in place
+        elif coll == "allgather":
+            name, args = "Allgather", ((IP, ip) if inplace else (send, recv))
+        elif coll == "gather":
+            name = "Gather"
+            if inplace:
+                args = (IP, ip, root) if is_root else (b.block(ip, r), None, root)
+            else:
+                args = (send, recv if is_root else None, root)
+        elif coll == "scatter":
+            name = "Scatter"
+            if inplace:
+                args = (ip, IP, root) if is_root else (None, b.block(ip, r), root)
+            else:
+                args = (send if is_root else None, recv, root)
+        elif coll == "reduce_scatter":
+            name = "Reduce_scatter_block"
+            if inplace:
+                args = (IP, ip, o)
+                result = b.block(ip, 0)     # MPI puts an in-place result at the buffer's start
+            else:
+                args = (send, recv, o)
+        elif coll == "alltoall":
+            name, args = "Alltoall", ((IP, ip) if inplace else (send, recv))
+        elif coll == "barrier":
+            name, args = "Barrier", ()
+        elif coll == "allgatherv":
+            name, args = "Allgatherv", (send, [recv, list(b.case.counts)])
+        elif coll == "alltoallv":
+            rows = matrix_of(b.case.counts, c.size)
+            name = "Alltoallv"
+            args = ([send, list(rows[r])], [recv, [row[r] for row in rows]])
+        else:
+            raise ValueError(coll)
+        return name, args, before, result
+
+    def prepare_persistent(self, b: Buffers, inplace: bool, op: str, root: int) -> Call:
+        """``--persistent``: ``Comm.<Name>_init`` (MPI-4) on ``prepare``'s arguments, made
+        once; the timed call is ``req.Start(); req.Wait()`` (after the out-of-place
+        broadcast's copy, as ``prepare`` does it)."""
+        name, args, before, result = self._spec(b, inplace, root)
+        init = getattr(self.c, name + "_init", None)
+        if init is None:
+            raise BenchError(f"--persistent --peers mpi: {self.version} has no "
+                             f"Comm.{name}_init (persistent collectives need mpi4py >= 4)")
+        req = init(*args)
+        self._requests.append(req)
+        start, wait = req.Start, req.Wait
+        if before is None:
+            def f():
+                start()
+                wait()
+        else:
+            dst, src = before
+
+            def f():
+                np.copyto(dst, src)
+                start()
+                wait()
+        return Call(f, self.c.Barrier, result, free=lambda: self._free(req))
+
+    def prepare_group(self, bufs, inplace: bool, op: str, root: int) -> Call:
+        """``--group K``: the MPI analogue of one ``comm.group()`` of K calls: K nonblocking
+        calls (``Comm.I<name>``, one per buffer set, as ``prepare``'s arguments), then one
+        ``MPI.Request.Waitall``."""
+        specs = [self._spec(b, inplace, root) for b in bufs]
+        name = specs[0][0]
+        post = getattr(self.c, "I" + name[0].lower() + name[1:])
+        waitall = self.MPI.Request.Waitall
+        arglists = [args for _, args, _, _ in specs]
+        if all(before is None for _, _, before, _ in specs):
+            def f():
+                waitall([post(*args) for args in arglists])
+        else:
+            jobs = [(args, before) for _, args, before, _ in specs]
+
+            def f():
+                reqs = []
+                for args, before in jobs:
+                    if before is not None:
+                        np.copyto(*before)
+                    reqs.append(post(*args))
+                waitall(reqs)
+        return Call(f, self.c.Barrier, specs[0][3], results=[s[3] for s in specs])
+
+    def _free(self, req) -> None:
+        for j, live in enumerate(self._requests):
+            if live is req:
+                del self._requests[j]
+                req.Free()
+                return
+
     def close(self) -> None:
-        pass
+        while self._requests:           # left by a placement that failed
+            self._free(self._requests[-1])
 
 
 # ------------------------------------------------------------------------ gloo
@@ -247,6 +371,12 @@ class GlooRunner:
         else:
             raise ValueError(coll)
         return Call(f, dist.barrier, b.default_result(inplace))
+
+    def prepare_persistent(self, b: Buffers, inplace: bool, op: str, root: int) -> Call:
+        raise BenchError("--persistent: the gloo peer has no persistent collectives")
+
+    def prepare_group(self, bufs, inplace: bool, op: str, root: int) -> Call:
+        raise BenchError("--group: the gloo peer has no grouped form")
 
     def close(self) -> None:
         if self.pg is not None:
