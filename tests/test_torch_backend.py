@@ -429,6 +429,14 @@ def _w_groups_async(rank, size):
         dist.all_gather_into_tensor(outs[1], torch.full((3,), float(rank)))
     cm.wait()
     _eq(outs[1], torch.arange(size, dtype=torch.float32).repeat_interleave(3), "coalesced ag")
+    # the coalesced calls run as one comm.group() each (allreduces fused by dtype)
+    rs = [torch.zeros(2), torch.zeros(3)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.reduce_scatter_tensor(rs[0], torch.arange(2.0 * size) + rank)
+        dist.reduce_scatter_tensor(rs[1], torch.ones(3 * size))
+    cm.wait()
+    _eq(rs[0], (torch.arange(2.0) + 2 * rank) * size + sum(range(size)), "coalesced rs")
+    _eq(rs[1], torch.full((3,), float(size)), "coalesced rs 2")
     dist.destroy_process_group(evens if rank in (0, 2) else odds)
     dist.all_reduce(t)
     return True

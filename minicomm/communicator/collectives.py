@@ -3,7 +3,9 @@
 One fast path serves every collective (``_fast``): a synchronous call whose signature ran
 before (so its op, dtype, root and shapes were validated then), with nothing queued, on a
 C-contiguous array whose layout is the collective's (``buffers.LAYOUT``) goes straight to its
-bound ``Call``; an unrooted small one (``Call.hot``) runs its compiled plan right there. Anything
+bound ``Call`` (the cache in front of what ``*_init`` binds, persistent.py); an unrooted small
+one (``Call.hot``) runs its compiled plan right there. Inside ``comm.group()`` the same lookup
+binds the call, which the group holds (grouping.py). Anything
 else goes the general path (``_general``): the guard, ``_bind`` (the argument checks, TypeError /
 ValueError before any message, and the flat buffers), then run now or submit to the worker.
 The fast path keeps the general path's semantics: in-place aliasing, program order behind
@@ -78,9 +80,12 @@ class Collectives:
         layout = LAYOUT[name]
         if layout == SCATTER_HEADER:
             return self._scatter_fast(x, root, algorithm, out)
-        if type(x) is not np.ndarray or self._pending or not x.flags.c_contiguous \
+        if type(x) is not np.ndarray or not x.flags.c_contiguous \
                 or self._closed or self._broken is not None or type(root) is not int:
             return MISS
+        if (self._pending or self._started) and \
+                (self._started or self._batch is None or self._depth):
+            return MISS               # queued or started work (program order), a call's call
         if layout < BLOCKS:
             count = x.size
         elif x.ndim and x.shape[0] == self.size:
@@ -109,6 +114,9 @@ class Collectives:
             outb = res if res.ndim == 1 else res.reshape(-1)
             if out is not None and c.separate:
                 inb = self._separate(inb, outb, out)
+        if self._pending:             # inside comm.group(): held, with what it bound before
+            return self._hold(name, BoundCall(self, name, op, algorithm, c, inb, outb, res,
+                                              count, x.shape))
         self._run_now(name, c, inb, outb, count, x.shape)
         return res
 

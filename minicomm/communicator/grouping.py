@@ -15,8 +15,9 @@ on each other (NCCL's rule). At the exit:
 3. the point-to-point calls complete.
 
 An error in any call is raised at the exit, naming that call; the other calls' works fail with
-it. An exception inside the block issues nothing: the held calls' works fail with a
-``CommError`` naming it, and the exception goes on. Groups nest (the outermost exit issues).
+it. An exception inside the block issues no collective: the held calls' works fail with a
+``CommError`` naming it, and the exception goes on (point-to-point calls were posted already;
+their works stay usable). Groups nest (the outermost exit issues).
 """
 from __future__ import annotations
 
@@ -43,11 +44,16 @@ def fusion_bytes() -> int:
 
 
 class GroupWork(Work):
-    """A grouped call's handle: done at the group's exit, on the thread that opened it."""
+    """A grouped call's handle: done at the group's exit, on the thread that opened it. Its
+    description is made when asked for (errors, repr): a group holds many calls."""
 
-    def __init__(self, description: str):
-        self.description, self._result, self._error, self._drive = description, None, None, None
-        self._event, self.status = None, None
+    def __init__(self, name: str, index: int):
+        self._name, self._index, self._result, self._error = name, index, None, None
+        self._drive, self._event, self.status = None, None, None
+
+    @property
+    def description(self) -> str:
+        return f"{self._name} (call {self._index} of a comm.group())"
 
     def _finish(self, result=None, error: Optional[BaseException] = None):
         self._result, self._error, self._event = result, error, True
@@ -132,14 +138,15 @@ class Grouping:
                 self._abandon(batch)
         self._issue(batch)
 
-    def _hold(self, description: str, bound) -> GroupWork:
-        """The general path's last step inside a group: hold the bound call."""
+    def _hold(self, name: str, bound) -> GroupWork:
+        """The last step of a call inside a group (the general path's, or the fast path's for
+        a signature bound before): hold the bound call."""
         if self._depth > 1:
             raise CommError(f"{self.busy_with} inside comm.group(): it makes calls of its own "
                             f"and cannot be grouped; call it outside the group")
-        batch = self._batch
-        work = GroupWork(f"{description} (call {len(batch.calls) + 1} of a comm.group())")
-        batch.calls.append((bound, work))
+        calls = self._batch.calls
+        work = GroupWork(name, len(calls) + 1)
+        calls.append((bound, work))
         return work
 
     def _hold_p2p(self, work: Work, status=None) -> Work:
@@ -148,15 +155,11 @@ class Grouping:
         return work
 
     def _abandon(self, batch: Batch) -> None:
-        """An exception left the block: nothing was issued; the held calls fail."""
+        """An exception left the block: the held collectives were not issued and fail; the
+        point-to-point calls were posted already, and their works stay the caller's to wait."""
         for _, work in batch.calls:
             work._finish(error=CommError(f"{work.description}: not issued: an exception left "
                                          f"the comm.group() block"))
-        for work, _ in batch.p2p:             # posted already: they complete or fail
-            try:
-                work.wait()
-            except CommError:
-                pass
 
     def _issue(self, batch: Batch) -> None:
         """The group's exit (module doc): check, run fused, complete the point-to-point."""
@@ -167,6 +170,9 @@ class Grouping:
                 self._submit("group", lambda: self._run_held(calls), False)
             except BaseException as e:
                 error = e
+                for _, work in calls:
+                    if not work.is_completed():
+                        work._finish(error=same_error(e))
             finally:
                 self._exit()
         # receives first: waiting on one moves the matching engine, which a peer's send needs
@@ -184,17 +190,11 @@ class Grouping:
             raise error
 
     def _run_held(self, calls) -> None:
-        """Check the group, then run its units; on an error the works not done fail with it."""
-        try:
-            if self.size > 1:
-                self._check_group(calls)
-            for unit in self._fused(calls):
-                self._run_unit(unit)
-        except BaseException as e:
-            for _, work in calls:
-                if not work.is_completed():
-                    work._finish(error=same_error(e))
-            raise
+        """Check the group, then run its units (``_issue`` fails the works left on an error)."""
+        if self.size > 1:
+            self._check_group(calls)
+        for unit in self._fused(calls):
+            self._run_unit(unit)
 
     def _fused(self, calls) -> List[list]:
         """The group's calls as units in call order: one call each, except allreduces with the
@@ -224,28 +224,24 @@ class Grouping:
             work._finish(self._named(work, bound))
             return
         first = members[0][0]
-        dtype, total = first.outb.dtype, sum(b.count for b, _ in members)
-        packed, result = self._fusion_buffers(dtype, total)
-        at = 0
-        for b, _ in members:
-            packed[at:at + b.count] = b.inb
-            at += b.count
-        label = (f"{members[0][1].description.split(' (call')[0]} and {len(members) - 1} more, "
-                 f"fused into one allreduce of {total} x {dtype} (calls "
-                 f"{', '.join(w.description.split('call ')[1].split(' of')[0] for _, w in members)}"
-                 f" of a comm.group())")
+        dtype = first.outb.dtype
+        packed, result = self._fusion_buffers(dtype, sum(b.count for b, _ in members))
+        np.concatenate([b.inb for b, _ in members], out=packed)
+        total = packed.size
         try:
             self._execute("allreduce", packed, result, total, first.op, 0, first.algorithm,
                           (total,))
         except CommError as e:
-            e.args = (f"{label}: {e}",)
+            e.args = (f"{first.name} calls {', '.join(str(w._index) for _, w in members)} of a "
+                      f"comm.group(), fused into one allreduce of {total} x {dtype}: {e}",)
             raise
         if first.op == _ops.AVG:
             np.true_divide(result, self.size, out=result)
         at = 0
         for b, work in members:
-            b.outb[:] = result[at:at + b.count]
-            at += b.count
+            n = b.count
+            b.outb[:] = result[at:at + n]
+            at += n
             work._finish(b.res)
 
     @staticmethod
@@ -276,19 +272,25 @@ class Grouping:
             if type(bound) is BoundCall:
                 rows[i] = self._fingerprint(bound.c.call, bound.count, bound.shape)
             else:
-                name = work.description.split(" ")[0]
-                rows[i] = (zlib.crc32(name.encode()), -1, 0)
+                rows[i] = (zlib.crc32(work._name.encode()), -1, 0)
         return rows
+
+    @staticmethod
+    def _group_digest(calls) -> int:
+        """A digest of the calls' signatures, counts and shapes that every rank computes alike
+        (the hash of a tuple of ints does not depend on the process; names go through crc32)."""
+        return hash(tuple((b.c.call, b.count, b.shape) if type(b) is BoundCall
+                          else zlib.crc32(w._name.encode()) for b, w in calls))
 
     def _check_group(self, calls) -> None:
         """Every rank learns whether the ranks' groups are the same; if not, which call is the
         first to differ (module doc): a ``MismatchError`` naming it, on every rank."""
-        rows = self._group_rows(calls)
-        mine = np.array([zlib.crc32(rows.tobytes()), len(rows), 0], dtype=np.int64)
+        mine = np.array([self._group_digest(calls), len(calls), 0], dtype=np.int64)
         table = np.empty((self.size, 3), dtype=np.int64)
         self._execute("allgather", mine, table.reshape(-1), 3, "none", 0, "rhd", table.shape)
         if (table == mine).all():
             return
+        rows = self._group_rows(calls)
         n = int(table[:, 1].min())
         first, other = n, int(np.argmin(table[:, 1]))
         if n:
@@ -320,6 +322,5 @@ class Grouping:
     def _row_call(row, work: Optional[GroupWork] = None) -> str:
         """What a fingerprint row says of its call (``work``: this rank's own, for the name)."""
         if row[1] < 0:
-            return work.description.split(" (call")[0] if work is not None \
-                else "an uneven or scatter call"
+            return work._name if work is not None else "an uneven or scatter call"
         return describe_call(Tag(0, 0, 0, int(row[0]), int(row[1])))

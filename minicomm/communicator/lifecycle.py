@@ -177,7 +177,7 @@ class Lifecycle:
         # one worker thread that runs the queued calls in program order
         self._qlock = threading.Lock()
         self._queue: "queue.Queue" = queue.Queue()
-        self._pending = 0             # queued work, started requests and an open group
+        self._pending = 0             # queued work and an open group
         self._worker: Optional[threading.Thread] = None
         # persistent requests started and not yet run, in start order (persistent.py); the
         # next call of any kind hands them to the worker first
@@ -331,14 +331,12 @@ class Lifecycle:
             return self._enqueue(description, fn).wait()
         return self._enqueue(description, fn)
 
-    def _enqueue(self, description: str, fn, counted: bool = False) -> Work:
-        """Queue ``fn`` for the worker; ``counted``: ``_pending`` counts it already (a started
-        request)."""
+    def _enqueue(self, description: str, fn) -> Work:
         work = Work(description)
         number = self._user_calls     # this call's: submitted in program order, run later
         rec = None if self._flight is None else self._flight.queued(description)
         with self._qlock:
-            self._pending += 0 if counted else 1
+            self._pending += 1
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work_loop, daemon=True,
                                                 name=f"minicomm-comm{self.comm_id}-r{self.rank}")

@@ -17,6 +17,8 @@ the one array the request allocated at init, which every ``wait()`` returns.
 """
 from __future__ import annotations
 
+import functools
+
 from ..errors import CommError
 from .collectives import BoundCall
 from .lifecycle import get_ident
@@ -40,14 +42,19 @@ class Request:
         >>> y
         array([4., 4., 4., 4.])
     """
-    __slots__ = ("comm", "description", "_bound", "_inline", "_state", "_work")
+    __slots__ = ("comm", "description", "_bound", "_inline", "_result", "_state", "_work")
 
-    def __init__(self, comm, description: str, bound):
+    def __init__(self, comm, name: str, description: str, bound):
         self.comm, self.description, self._bound = comm, description, bound
-        # a bound collective runs through _run_now (small calls on their compiled plan);
-        # uneven and header calls through their closure, inside the guard
-        self._inline = bound.inline if type(bound) is BoundCall else \
-            (lambda: comm._run_guarded(description, bound))
+        # a bound collective runs through _run_now (small calls on their compiled plan) and
+        # returns its bound result; uneven and header calls run their closure in the guard
+        if type(bound) is BoundCall:
+            self._inline = functools.partial(comm._run_now, bound.name, bound.c, bound.inb,
+                                             bound.outb, bound.count, bound.shape)
+            self._result = bound.res
+        else:
+            self._inline = functools.partial(comm._run_guarded, name, bound)
+            self._result = None
         self._state, self._work = IDLE, None
 
     def __repr__(self):
@@ -73,13 +80,12 @@ class Request:
             raise CommError(f"start() on {self.description}, which is "
                             f"{'freed' if self._state is FREED else 'still running: wait() first'}")
         comm = self.comm
-        comm._usable(self.description)
+        if comm._broken is not None or comm._closed:
+            comm._usable(self.description)
         if comm._intercept is not None:        # inside comm.group(): it runs at the group's exit
             self._work, self._state = comm._intercept(self.description, self._bound), QUEUED
             return
-        with comm._qlock:
-            comm._pending += 1                 # plain calls wait for it (program order)
-        comm._started.append(self)
+        comm._started.append(self)             # plain calls see it and wait (program order)
         self._state = STARTED
 
     def wait(self):
@@ -103,13 +109,13 @@ class Request:
         if state is STARTED:
             comm = self.comm
             started = comm._started
-            if started[0] is self and comm._pending == len(started):
+            if started[0] is self and not comm._pending:
                 started.popleft()              # first in line, nothing queued: run it here
-                with comm._qlock:
-                    comm._pending -= 1
                 self._state = IDLE
-                comm._usable(self.description)
-                return self._inline()
+                if comm._broken is not None or comm._closed:
+                    comm._usable(self.description)
+                result = self._inline()
+                return self._result if result is None else result
             comm._launch_started()             # the worker runs them in start order
             state = self._state
         if state is QUEUED:
@@ -175,7 +181,7 @@ class PersistentCollectives:
         what = f"{name}_init request"
         if type(bound) is BoundCall:
             what += f" ({bound.count} x {bound.outb.dtype})"
-        return Request(self, what, bound)
+        return Request(self, name, what, bound)
 
     def _run_guarded(self, name: str, fn):
         """``fn()`` on this thread, inside the guard (a persistent request's closure)."""
@@ -194,7 +200,7 @@ class PersistentCollectives:
         started = self._started
         while started:
             req = started.popleft()
-            req._work = self._enqueue(req.description, req._bound, counted=True)
+            req._work = self._enqueue(req.description, req._bound)
             req._state = QUEUED
 
     def allreduce_init(self, x, op="sum", algorithm="auto", out=None) -> Request:

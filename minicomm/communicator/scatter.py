@@ -67,7 +67,7 @@ class ScatterHeader:
         before (so dtype and shape were validated then), out= absent or of the block's shape
         and dtype -- runs ``_scatter_run`` at once. ``MISS`` otherwise. The header exchange is
         the call's check either way."""
-        if type(root) is not int or not 0 <= root < self.size or self._pending \
+        if type(root) is not int or not 0 <= root < self.size or self._pending or self._started \
                 or self._closed or self._broken is not None:
             return MISS
         inflat = None
