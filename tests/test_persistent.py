@@ -295,6 +295,25 @@ def test_persistent_requests_are_fingerprinted_under_detail(monkeypatch):
     assert mc.spawn(f, 2, transport="inproc", timeout=30) == [True, True]
 
 
+def test_a_request_started_inside_a_group_runs_at_its_exit_fused():
+    def f(comm):
+        x, y = np.ones(3), np.full(2, 2.0)
+        req = comm.allreduce_init(x, out=x)
+        before = comm._seq
+        with comm.group():
+            req.start()
+            with pytest.raises(mc.CommError, match="inside its comm.group"):
+                req.wait()
+            with pytest.raises(mc.CommError, match="still running"):
+                req.start()
+            comm.allreduce(y, out=y)
+        used = comm._seq - before
+        got = req.wait()
+        req.free()
+        return used, got.tolist(), y.tolist()
+    assert mc.spawn(f, 2, transport="shm") == [(2, [2.0] * 3, [4.0] * 2)] * 2
+
+
 def test_an_exception_in_the_block_issues_nothing():
     def f(comm):
         with pytest.raises(KeyError):

@@ -119,10 +119,12 @@ class Request:
             comm._launch_started()             # the worker runs them in start order
             state = self._state
         if state is QUEUED:
+            work = self._work
             try:
-                return self._work.wait()
+                return work.wait()
             finally:
-                self._state, self._work = IDLE, None
+                if work.is_completed():        # not inside the group that holds it
+                    self._state, self._work = IDLE, None
         raise CommError(f"wait() on {self.description}, which is "
                         f"{'freed' if state is FREED else 'not started'}")
 
