@@ -11,6 +11,7 @@ nothing below the launcher does.
 """
 from __future__ import annotations
 
+import gc
 import os
 import random
 import sys
@@ -20,7 +21,7 @@ from contextlib import contextmanager
 
 from ..algorithms import FAMILIES, build_schedule, hier, innet, registered, ring, tree
 from ..schedule import ALL_COLLECTIVES, PREFIX, ROOTED, UNEVEN
-from ..verifier import verify
+from ..verifier import collector_paused, verify
 
 EXHAUSTIVE_UP_TO = 16    # world sizes verified with every root, count and node map
 PROVABLE = FAMILIES + ("innet",)   # innet: switches included (verified when named)
@@ -91,6 +92,11 @@ def pipelined_counts(p: int):
 def verify_cell(args):
     """Verify one (collective, family, world size) over roots, counts and node maps.
     Returns (collective, family, p, cases, error or None)."""
+    with collector_paused():   # the cell's schedules are freed (cache_clear) before it resumes
+        return _verify_cell(args)
+
+
+def _verify_cell(args):
     coll, fam, p, all_roots = args
     if not _has(fam, coll):
         return coll, fam, p, 0, None
@@ -200,6 +206,14 @@ def _has(fam: str, coll: str) -> bool:
     return reg is None or coll in reg.collectives
 
 
+def _start_worker(paths) -> None:
+    """A pool process: the cyclic collector off for good, then the ``--load`` files. Its cells
+    make no reference cycles (schedules and symbolic state go by reference counting); between
+    cells the collector would only traverse the long-lived schedule caches again."""
+    gc.disable()
+    _load(paths)
+
+
 def _load(paths) -> None:
     """A pool process runs the ``--load`` files, so their algorithms are registered there
     (unless it was forked from the parent, and has them already)."""
@@ -231,7 +245,8 @@ def run_matrix(max_world: int = 64, all_roots: bool = False, jobs: int = 0, out=
     t0 = time.monotonic()
     cells = {(c, f): [0, 0, None] for c in colls for f in fams}   # sizes passed, cases, first error
     if jobs > 1:
-        with ProcessPoolExecutor(jobs, initializer=_load, initargs=(list(loads or ()),)) as pool:
+        with ProcessPoolExecutor(jobs, initializer=_start_worker,
+                                 initargs=(list(loads or ()),)) as pool:
             results = list(pool.map(verify_cell, tasks, chunksize=4))
     else:
         results = [verify_cell(t) for t in tasks]
