@@ -42,6 +42,6 @@ algorithms.set_checker(_verifier.check_structure)
 del _verifier
 
 __version__ = "0.1.0"
-__all__ = ["spawn", "init", "Communicator", "Work", "Request", "CommError", "CommTimeout", "MismatchError",
-           "PeerFailure", "Revoked", "RMAError", "SpawnError", "SUM", "PROD", "MIN", "MAX", "AVG", "BAND",
-           "BOR", "BXOR", "ANY_SOURCE", "ANY_TAG", "Status"]
+__all__ = ["spawn", "init", "Communicator", "Work", "Request", "CommError", "CommTimeout",
+           "MismatchError", "PeerFailure", "Revoked", "RMAError", "SpawnError", "SUM", "PROD",
+           "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "ANY_SOURCE", "ANY_TAG", "Status"]

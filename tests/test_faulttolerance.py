@@ -276,7 +276,8 @@ def test_shrink_after_a_comm_timeout_keeps_the_slow_rank(transport):
         except mc.CommError as e:
             error = type(e).__name__
         new = comm.shrink(timeout=10.0)
-        return error is not None, new.world_ranks, new.comm_id != comm.comm_id, _check_collectives(new)
+        return (error is not None, new.world_ranks, new.comm_id != comm.comm_id,
+                _check_collectives(new))
 
     got = mc.spawn(prog, 3, transport=transport, timeout=0.5)
     assert got == [(True, (0, 1, 2), True, 5)] * 3

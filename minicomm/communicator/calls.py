@@ -334,7 +334,8 @@ class CallPlans:
         deadline = time.monotonic() + self.timeout
         with sw.lock:
             status, detail = sw.admit(self._ctx, seq, c.call, count,
-                                      c.root if c.rooted else -1, self.world_ranks, deadline, c.label)
+                                      c.root if c.rooted else -1, self.world_ranks, deadline,
+                                      c.label)
             if status != OK:
                 why = (f"{sw.describe()} holds its {detail} aggregation groups "
                        f"(MINICOMM_SWITCH_GROUPS)" if status == BUSY

@@ -65,7 +65,8 @@ class Communicator(Collectives, UnevenCollectives, ScatterHeader, ObjectCollecti
         (True, 2)
     """
 
-    def __init__(self, transport, rank: int, size: int, *, world_ranks: Optional[Sequence[int]] = None,
+    def __init__(self, transport, rank: int, size: int, *,
+                 world_ranks: Optional[Sequence[int]] = None,
                  topology: Optional[Sequence[int]] = None, comm_id: int = 1,
                  timeout: Optional[float] = None, check: Optional[str] = None,
                  link_model: Optional[LinkModel] = None, _owner: bool = True,
@@ -93,7 +94,8 @@ class Communicator(Collectives, UnevenCollectives, ScatterHeader, ObjectCollecti
         self.channels = env_channels()     # a ring's channel count (MINICOMM_CHANNELS)
         self._ctx = context(comm_id, COLL)
         capacity = record_capacity()
-        self._flight = FlightRecorder(capacity, comm_id, rank, self.world_ranks) if capacity else None
+        self._flight = FlightRecorder(capacity, comm_id, rank, self.world_ranks) if capacity \
+            else None
         self._init_lifecycle(_owner)
         self._init_fingerprints(CACHE_ENTRIES)
         self._init_scatter()

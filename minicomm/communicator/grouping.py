@@ -73,8 +73,8 @@ class GroupWork(Work):
 
 
 class Batch:
-    """What one open group holds: its collectives (bound call, work, label) and its posted
-    point-to-point works (with a recv's ``status=``)."""
+    """What one open group holds: its collectives as (bound call, work) and its posted
+    point-to-point works as (work, a recv's ``status=`` or None)."""
     __slots__ = ("calls", "p2p", "depth")
 
     def __init__(self):

@@ -204,7 +204,8 @@ class Lifecycle:
 
     def _log(self, msg: str) -> None:
         if self.debug_info:
-            print(f"[minicomm rank {self.world_ranks[self.rank]}] {msg}", file=sys.stderr, flush=True)
+            print(f"[minicomm rank {self.world_ranks[self.rank]}] {msg}", file=sys.stderr,
+                  flush=True)
 
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout
@@ -453,7 +454,7 @@ class Lifecycle:
         """A split communicator drops its contexts; the world closes its transport and store."""
         sw = self._switch
         if sw is not None and self._innet_used:
-            sw.release(self._ctx, self.world_ranks)    # the switch's aggregation group is free again
+            sw.release(self._ctx, self.world_ranks)    # the switch's aggregation group is free
         if not self._owner:
             closed = CommError("communicator is closed")
             self.transport.cancel_context(self._ctx, closed)     # drop what peers still send

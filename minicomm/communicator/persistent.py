@@ -13,7 +13,8 @@ other collectives.
 
 The buffers are the request's: ``x`` is read when the call runs (between ``start`` and
 ``wait``; MPI's rule: do not change it in between), and the result is written to ``out``, or to
-the one array the request allocated at init, which every ``wait()`` returns.
+the one array the request allocated at init, which every ``wait()`` returns (the uneven calls,
+whose result sizes are learned, make a new one each time).
 """
 from __future__ import annotations
 
@@ -339,7 +340,7 @@ class PersistentCollectives:
             algorithm (str): "auto" or a family, chosen once, at init.
             out (np.ndarray | None): The bound result array (None: the request allocates one, which
                 every ``wait()`` returns).
-            counts (Sequence[int] | None): As for ``reduce_scatter`` (None: each start learns them).
+            counts (Sequence[int] | None): Rows of the result per rank (None: even blocks).
 
         Returns:
             (Request): ``start()``, then ``wait()`` for the result, as often as needed, then
@@ -429,7 +430,8 @@ class PersistentCollectives:
 
         Args:
             x (np.ndarray): The bound input, read each time the call runs (as for ``allgatherv``).
-            counts (Sequence[int] | None): As for ``allgatherv`` (None: each start learns them).
+            counts (Sequence[int] | None): Every rank's rows (None: the first start learns
+                them).
             algorithm (str): "auto" or a family, chosen once, at init.
             out (np.ndarray | None): The bound result array (None: the request allocates one, which
                 every ``wait()`` returns).
@@ -454,7 +456,8 @@ class PersistentCollectives:
         Args:
             x (np.ndarray): The bound input, read each time the call runs (as for ``gatherv``).
             root (int): The root rank.
-            counts (Sequence[int] | None): As for ``gatherv`` (None: each start learns them).
+            counts (Sequence[int] | None): Every rank's rows (None: the first start learns
+                them).
             algorithm (str): "auto" or a family, chosen once, at init.
             out (np.ndarray | None): The bound result array (None: the request allocates one, which
                 every ``wait()`` returns).
@@ -480,7 +483,8 @@ class PersistentCollectives:
 
         Args:
             x (np.ndarray | None): The bound input (as for ``scatterv``; ignored off the root).
-            counts (Sequence[int] | None): As for ``scatterv`` (None: each start learns them).
+            counts (Sequence[int] | None): The root's blocks (None off the root: each start
+                brings them from the root).
             root (int): The root rank.
             algorithm (str): "auto" or a family, chosen once, at init.
             out (np.ndarray | None): The bound result array (None: the request allocates one, which
